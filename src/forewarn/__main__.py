@@ -1,0 +1,3 @@
+from forewarn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""The `forewarn` command line: run, simulate, events, version.
+
+User mistakes end with exit 2 and one line naming the option, file or value; only a real bug shows a
+traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.config import RUN_OPTIONS, ConfigError, add_options, parse_listen_address, resolve
+from forewarn.imds.client import DEFAULT_ENDPOINT, ImdsClient, ImdsError, with_retries
+from forewarn.imds.document import API_VERSIONS, Document, DocumentError
+from forewarn.logs import setup_logging
+
+log = logging.getLogger("forewarn")
+
+SIMULATOR_LISTEN = "127.0.0.1:8169"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _endpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--imds-endpoint", default=DEFAULT_ENDPOINT, metavar="URL",
+                        help=f"IMDS base URL or 'discover' (default {DEFAULT_ENDPOINT})")
+    parser.add_argument("--api-version", default=DEFAULT_API_VERSION, choices=API_VERSIONS, metavar="V",
+                        help=f"Scheduled Events API version (default {DEFAULT_API_VERSION})")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="per-request timeout (default 10)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="forewarn", description="Advance warning of Azure VM maintenance: IMDS Scheduled "
+                     "Events as Prometheus metrics and CloudEvents records.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = commands.add_parser("run", help="the collector: poll IMDS, serve metrics, forward records",
+                              description="Poll IMDS Scheduled Events and publish metrics and records. Every "
+                              "option can also be set as FOREWARN_<OPTION> or in the --config file.")
+    run.add_argument("--config", metavar="FILE", help="YAML file of option names and values [env FOREWARN_CONFIG]")
+    add_options(run, [o for o in RUN_OPTIONS if o.name != "simulate"])
+    simulate_option = next(o for o in RUN_OPTIONS if o.name == "simulate")
+    run.add_argument("--simulate", dest="simulate", nargs="?", const="tour", default=argparse.SUPPRESS,
+                     metavar="SCENARIO", help=simulate_option.help + f" [env {simulate_option.env}]")
+
+    sim = commands.add_parser("simulate", help="the IMDS simulator alone, as an HTTP server",
+                              description="Serve a simulated IMDS (Scheduled Events and instance metadata).")
+    sim.add_argument("scenario", nargs="?", default="tour",
+                     help="built-in scenario name or a YAML/JSON scenario file (default: tour)")
+    sim.add_argument("--listen-address", default=SIMULATOR_LISTEN, metavar="HOST:PORT",
+                     help=f"where to serve (default {SIMULATOR_LISTEN})")
+    sim.add_argument("--speed", type=float, default=1.0, metavar="FACTOR",
+                     help="how much faster than real time the scenario runs (default 1)")
+    sim.add_argument("--fault", action="append", default=[], metavar="KIND:VALUE",
+                     help="inject faults: 500:0.1, 429:0.05, 410:0.02, reset:0.05, malformed:0.01, "
+                     "timeout:0.01, latency:0.2, slow-first:30 (repeatable)")
+    sim.add_argument("--seed", type=int, default=None, help="random seed for fault injection")
+    sim.add_argument("--no-rate-limit", action="store_true", help="do not answer 429 beyond 5 requests/s")
+    sim.add_argument("--list", action="store_true", help="list the built-in scenarios and exit")
+    sim.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    events = commands.add_parser("events", help="one look at the current Scheduled Events",
+                                 description="Fetch the Scheduled Events document once and print it.")
+    _endpoint_options(events)
+    events.add_argument("--output", choices=("table", "json"), default="table", help="table (default) or json")
+    events.add_argument("--vm-name", metavar="NAME", help="mark events that affect this VM")
+
+    commands.add_parser("version", help="version, API version, Python version")
+    return parser
+
+
+def cmd_version() -> int:
+    print(f"forewarn {__version__}")
+    print(f"scheduled events api-version {DEFAULT_API_VERSION} (supported: {', '.join(API_VERSIONS)})")
+    print(f"python {platform.python_version()} ({platform.python_implementation()}, {sys.platform})")
+    return 0
+
+
+def _ago(seconds: float) -> str:
+    sign = "in " if seconds >= 0 else ""
+    suffix = "" if seconds >= 0 else " ago"
+    seconds = abs(int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        text = f"{days}d{hours}h"
+    elif hours:
+        text = f"{hours}h{minutes:02d}m"
+    elif minutes:
+        text = f"{minutes}m{secs:02d}s"
+    else:
+        text = f"{secs}s"
+    return sign + text + suffix
+
+
+def format_table(document: Document, vm_name: str | None, now: datetime) -> str:
+    """The document as a plain-text table for people."""
+    lines = [f"DocumentIncarnation {document.incarnation}: {len(document.events)} event(s)"]
+    if not document.events:
+        return lines[0] + "\n"
+    header = ("EVENT ID", "TYPE", "STATUS", "SOURCE", "NOT BEFORE", "DURATION", "RESOURCES", "DESCRIPTION")
+    rows = []
+    for event in document.events:
+        if event.not_before is not None:
+            not_before = (event.not_before.strftime("%Y-%m-%d %H:%M:%SZ") + " ("
+                          + _ago((event.not_before - now).total_seconds()) + ")")
+        else:
+            not_before = "-"
+        duration = "-" if event.duration_seconds is None else (
+            "unknown" if event.duration_seconds < 0 else f"{event.duration_seconds}s")
+        resources = ",".join(f"*{r}" if vm_name and r == vm_name else r for r in event.resources) or "-"
+        description = event.description or ""
+        rows.append((event.event_id, event.event_type, event.status, event.source or "-", not_before, duration,
+                     resources, description[:60] + ("..." if len(description) > 60 else "")))
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines.append("")
+    for row in [header, *rows]:
+        lines.append("  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+    if vm_name:
+        lines.append(f"\n* = this VM ({vm_name})")
+    return "\n".join(lines) + "\n"
+
+
+def _client_for(args: argparse.Namespace) -> ImdsClient:
+    endpoint = args.imds_endpoint
+    if endpoint == "discover":
+        from forewarn.imds.discovery import discover_endpoint
+
+        endpoint = discover_endpoint()
+    elif not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(f"--imds-endpoint {endpoint!r}: expected http://HOST[:PORT] or 'discover'")
+    return ImdsClient(endpoint, args.api_version, timeout=args.timeout, first_timeout=max(args.timeout, 120))
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    client = _client_for(args)
+    try:
+        document = with_retries(client.get_scheduled_events)
+    except ImdsError as exc:
+        print(f"forewarn: cannot read Scheduled Events from {client.endpoint}: {exc}", file=sys.stderr)
+        return 1
+    except DocumentError as exc:
+        print(f"forewarn: IMDS reply is not a valid Scheduled Events document: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.output == "json":
+        print(json.dumps(dict(document.raw), indent=2))
+    else:
+        sys.stdout.write(format_table(document, args.vm_name, datetime.now(timezone.utc)))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from forewarn.simulator import SCENARIOS, Simulator, SimulatorServer, load_scenario
+    from forewarn.simulator.timeline import Faults, parse_fault
+
+    if args.list:
+        for name, scenario in SCENARIOS.items():
+            print(f"{name:24} {scenario.summary}")
+        return 0
+    setup_logging("text", args.log_level)
+    if args.speed <= 0:
+        raise ConfigError(f"--speed {args.speed:g}: must be greater than 0")
+    faults = Faults(seed=args.seed)
+    try:
+        for spec in args.fault:
+            parse_fault(spec, faults)
+        scenario = load_scenario(args.scenario)
+        host, port = parse_listen_address(args.listen_address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    simulator = Simulator(scenario, speed=args.speed, faults=faults,
+                          rate_limit=None if args.no_rate_limit else 5)
+    try:
+        server = SimulatorServer(simulator, host or "0.0.0.0", port)  # noqa: S104
+    except OSError as exc:
+        raise ConfigError(f"--listen-address {args.listen_address}: cannot listen ({exc.strerror or exc})") \
+            from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server.serve_in_background()
+    log.info("IMDS simulator: scenario %s at %gx speed on %s (admin API under /admin)", scenario.name,
+             args.speed, server.url)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from forewarn.service import run_collector
+
+    settings = resolve(args, RUN_OPTIONS)
+    setup_logging(settings.log_format, settings.log_level)
+    log.info("forewarn %s starting with %s", __version__,
+             json.dumps({k: v for k, v in settings.redacted().items()}, sort_keys=True))
+    return run_collector(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers: dict[str, Any] = {
+        "run": cmd_run,
+        "simulate": cmd_simulate,
+        "events": cmd_events,
+        "version": lambda _args: cmd_version(),
+    }
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(handlers[args.command](args))
+    except ConfigError as exc:
+        print(f"forewarn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

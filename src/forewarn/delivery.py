@@ -1,0 +1,94 @@
+"""Delivery workers: one thread per sink, draining that sink's part of the outbox in order.
+
+Delivery never runs on the poll path: a sink that is down or slow only grows its own backlog. Each
+batch is retried with capped, jittered backoff until the sink takes it; only then does the cursor move.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from forewarn.imds.client import Backoff
+from forewarn.logs import StateLog
+from forewarn.metrics import Metrics
+from forewarn.sinks import Sink
+from forewarn.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZE = 500
+
+
+class StoreRef:
+    """The store in use; the service swaps in a disk store once an unwritable state dir recovers."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+
+class DeliveryWorker:
+    def __init__(self, sink: Sink, stores: StoreRef, metrics: Metrics, stop: threading.Event,
+                 backoff: Backoff | None = None, idle_refresh: float = 5.0) -> None:
+        self.sink = sink
+        self._stores = stores
+        self._metrics = metrics
+        self._stop = stop
+        self._wake = threading.Event()
+        self._backoff = backoff or Backoff(base=0.5, cap=30.0)
+        self._idle_refresh = idle_refresh
+        self._failures = StateLog(log, f"sink {sink.name}")
+        self._thread = threading.Thread(target=self._run, name=f"deliver-{sink.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _publish_backlog(self, store: Store) -> None:
+        try:
+            self._metrics.views.set_backlog(self.sink.name, store.backlog(self.sink.name))
+        except Exception as exc:  # a metrics refresh must never stop delivery
+            log.debug("cannot read backlog of %s: %s", self.sink.name, exc)
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            store = self._stores.store
+            try:
+                batch = store.fetch(self.sink.name, BATCH_SIZE)
+            except StoreError as exc:
+                self._failures.failing("store", f"cannot read the outbox: {exc}")
+                self._stop.wait(self._backoff.delay(attempt))
+                continue
+            if not batch:
+                self._publish_backlog(store)
+                self._wake.wait(self._idle_refresh)
+                self._wake.clear()
+                continue
+            try:
+                self.sink.send([record for _, record in batch])
+            except Exception as exc:  # any sink failure is retried; the message is sink-provided
+                self._metrics.record_failures.labels(self.sink.name).inc()
+                self._failures.failing(type(exc).__name__ + str(exc)[:60],
+                                       f"delivery failed, will retry: {exc}")
+                self._publish_backlog(store)
+                self._stop.wait(self._backoff.delay(attempt))
+                attempt += 1
+                continue
+            attempt = 0
+            self._failures.ok()
+            self._metrics.records.labels(self.sink.name).inc(len(batch))
+            try:
+                store.ack(self.sink.name, batch[-1][0])
+            except StoreError as exc:
+                # Delivered but not remembered: the batch will be sent again (same record ids).
+                self._failures.failing("ack", f"cannot record delivery: {exc}")
+                time.sleep(0.5)
+            self._publish_backlog(store)

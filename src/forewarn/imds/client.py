@@ -1,0 +1,218 @@
+"""HTTP client for IMDS: one pooled session, the headers IMDS wants, and its request budget.
+
+Facts this relies on (see shared IMDS.md):
+- every request needs `Metadata: true`; it must bypass proxies and never carry X-Forwarded-For;
+- the first Scheduled Events request switches the service on and may take up to two minutes;
+- at most 5 requests per second per VM, across all callers (429 beyond that);
+- 410 (service updating, clears within 70 s), 429 and 5xx are passing: retry with backoff; other 4xx
+  will not get better by asking again.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.imds.document import Document, DocumentError, parse_document
+from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
+
+DEFAULT_ENDPOINT = "http://169.254.169.254"
+SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents"
+COMPUTE_PATH = "/metadata/instance/compute"
+USER_AGENT = f"forewarn/{__version__}"
+
+#: IMDS may take this long to answer the first Scheduled Events request while it enables the service.
+FIRST_CALL_TIMEOUT = 120.0
+CONNECT_TIMEOUT = 2.0
+
+T = TypeVar("T")
+
+
+class ImdsError(Exception):
+    """A failed IMDS request. `code` is the HTTP status, or None for a transport failure."""
+
+    def __init__(self, message: str, code: int | None = None, retryable: bool = False,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+    @property
+    def kind(self) -> str:
+        """A short, stable description for logs: the status code or the transport failure."""
+        return str(self.code) if self.code is not None else "transport"
+
+
+def is_retryable_status(code: int) -> bool:
+    return code in (410, 429) or code >= 500
+
+
+class RequestObserver(Protocol):
+    """Where the client reports each request (the metrics, in the collector)."""
+
+    def __call__(self, method: str, code: str, seconds: float) -> None: ...
+
+
+class RateLimiter:
+    """At most `limit` requests in any `window` seconds, shared by every caller in this process.
+
+    Keeps the times of the last `limit` requests; a new one waits until the oldest of them is a full
+    window old. Unlike spacing requests 1/limit apart, this allows a short burst (a retry right after a
+    poll) without ever exceeding the budget in any window.
+    """
+
+    def __init__(self, limit: int = 5, window: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.limit = limit
+        self.window = window
+        self._clock = clock
+        self._sleep = sleep
+        self._times: collections.deque[float] = collections.deque(maxlen=limit)
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if len(self._times) == self.limit:
+                wait = self._times[0] + self.window - self._clock()
+                if wait > 0:
+                    self._sleep(wait)
+            self._times.append(self._clock())
+
+
+class Backoff:
+    """Capped exponential backoff with jitter: attempt n waits between half and all of base*2^n."""
+
+    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
+        self.base = base
+        self.cap = cap
+        self._rng = rng or random.Random()
+
+    def delay(self, attempt: int) -> float:
+        ceiling = min(self.cap, self.base * (2 ** min(attempt, 30)))
+        return self._rng.uniform(ceiling / 2, ceiling)
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
+
+
+class ImdsClient:
+    """Talks to one IMDS endpoint. Thread-safe; every request goes through the shared rate limiter."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        api_version: str = DEFAULT_API_VERSION,
+        timeout: float = 2.0,
+        first_timeout: float = FIRST_CALL_TIMEOUT,
+        limiter: RateLimiter | None = None,
+        observe: RequestObserver | None = None,
+    ) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.api_version = api_version
+        self.timeout = timeout
+        self.first_timeout = first_timeout
+        self.limiter = limiter or RateLimiter()
+        self._observe = observe
+        self._enabled = False
+        session = requests.Session()
+        # Ignore HTTP(S)_PROXY, NO_PROXY and .netrc: IMDS must be reached directly.
+        session.trust_env = False
+        session.proxies = {}
+        session.headers.clear()
+        session.headers.update({"Metadata": "true", "User-Agent": USER_AGENT, "Accept": "application/json"})
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        self._session = session
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _request(self, method: str, path: str, params: dict[str, str], timeout: float,
+                 body: Any = None) -> requests.Response:
+        self.limiter.acquire()
+        started = time.monotonic()
+        code = "error"
+        try:
+            response = self._session.request(
+                method, self.endpoint + path, params=params, json=body,
+                timeout=(min(CONNECT_TIMEOUT, timeout), timeout), allow_redirects=False,
+            )
+            code = str(response.status_code)
+        except requests.Timeout:
+            raise ImdsError(f"{method} {path}: no answer within {timeout:g} s", retryable=True) from None
+        except requests.ConnectionError as exc:
+            raise ImdsError(f"{method} {path}: connection failed ({_reason(exc)})", retryable=True) from None
+        except requests.RequestException as exc:
+            raise ImdsError(f"{method} {path}: {_reason(exc)}", retryable=True) from None
+        finally:
+            if self._observe is not None:
+                self._observe(method, code, time.monotonic() - started)
+        if response.status_code != 200:
+            snippet = response.text[:200].strip().replace("\n", " ")
+            raise ImdsError(
+                f"{method} {path}: HTTP {response.status_code}" + (f" ({snippet})" if snippet else ""),
+                code=response.status_code,
+                retryable=is_retryable_status(response.status_code),
+                retry_after=_retry_after(response),
+            )
+        return response
+
+    def get_scheduled_events(self) -> Document:
+        """One poll. Raises ImdsError for HTTP or transport failures, DocumentError for a bad body."""
+        # Until IMDS has answered once, allow it the two minutes it may need to switch the service on.
+        timeout = self.timeout if self._enabled else max(self.timeout, self.first_timeout)
+        response = self._request("GET", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, timeout)
+        self._enabled = True
+        return parse_document(response.content)
+
+    def get_compute(self) -> VmInfo:
+        response = self._request("GET", COMPUTE_PATH, {"api-version": COMPUTE_API_VERSION}, self.timeout)
+        try:
+            data = response.json()
+        except ValueError:
+            raise DocumentError("instance metadata reply is not JSON") from None
+        if not isinstance(data, dict):
+            raise DocumentError("instance metadata reply is not a JSON object")
+        return parse_compute(data)
+
+    def start_events(self, event_ids: Sequence[str]) -> None:
+        """Approve events: one POST with every id (IMDS answers 200 even for ids already approved)."""
+        body = {"StartRequests": [{"EventId": event_id} for event_id in event_ids]}
+        self._request("POST", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, self.timeout, body)
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of a transport error, without the URL noise requests wraps around it."""
+    while exc.__context__ is not None and exc.__context__ is not exc:
+        exc = exc.__context__
+    text = str(exc) or type(exc).__name__
+    return text.split(": ", 1)[-1] if "Max retries" in text else text
+
+
+def with_retries(call: Callable[[], T], attempts: int = 4, backoff: Backoff | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """Run `call`, retrying retryable ImdsErrors; for one-shot commands (`events`, `approve`)."""
+    backoff = backoff or Backoff(base=0.5, cap=5.0)
+    for attempt in range(attempts):
+        try:
+            return call()
+        except ImdsError as exc:
+            if not exc.retryable or attempt == attempts - 1:
+                raise
+            sleep(exc.retry_after if exc.retry_after is not None else backoff.delay(attempt))
+    raise AssertionError("unreachable")

@@ -1,0 +1,216 @@
+"""The Scheduled Events document as value types, and the parser that builds them.
+
+The parser is deliberately tolerant where IMDS may evolve (unknown fields, unknown event types or
+statuses, an odd date format) and strict where a document cannot be trusted at all (not an object, no
+incarnation, events that are not objects). A strict failure raises `DocumentError`; the caller counts it
+and keeps the last good document, so one bad reply never loses what is already known.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from email.utils import format_datetime, parsedate_to_datetime
+from typing import Any
+
+#: Event types, statuses and sources documented for API version 2020-07-01. Other values are passed
+#: through untouched; these lists only drive zero-filled metrics and the simulator.
+EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+EVENT_STATUSES = ("Scheduled", "Started")
+EVENT_SOURCES = ("Platform", "User")
+
+#: Every documented API version, oldest first. Newer versions add fields; see `fields_for_version`.
+API_VERSIONS = (
+    "2017-03-01",
+    "2017-08-01",
+    "2017-11-01",
+    "2019-01-01",
+    "2019-04-01",
+    "2019-08-01",
+    "2020-07-01",
+)
+
+# Version in which each optional field or event type first appeared (IMDS.md, "Versions").
+_FIELD_SINCE = {"Description": "2019-04-01", "EventSource": "2019-08-01", "DurationInSeconds": "2020-07-01"}
+_TYPE_SINCE = {"Preempt": "2017-11-01", "Terminate": "2019-01-01"}
+
+
+def field_in_version(name: str, api_version: str) -> bool:
+    """True when documents of `api_version` carry the event field `name`."""
+    return api_version >= _FIELD_SINCE.get(name, API_VERSIONS[0])
+
+
+def type_in_version(event_type: str, api_version: str) -> bool:
+    """True when `event_type` can appear in documents of `api_version`."""
+    return api_version >= _TYPE_SINCE.get(event_type, API_VERSIONS[0])
+
+
+class DocumentError(ValueError):
+    """The reply is not a Scheduled Events document; the message says what was wrong and where."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One scheduled event. `raw` holds the fields exactly as IMDS sent them, unknown ones included."""
+
+    event_id: str
+    event_type: str
+    status: str
+    resource_type: str
+    resources: tuple[str, ...]
+    not_before: datetime | None
+    description: str | None = None
+    source: str | None = None
+    duration_seconds: int | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, hash=False, repr=False)
+
+    def affects(self, vm_name: str | None) -> bool:
+        """True when `vm_name` is one of the VMs this event acts on."""
+        return bool(vm_name) and vm_name in self.resources
+
+    def seconds_to_not_before(self, now: float) -> float | None:
+        if self.not_before is None:
+            return None
+        return self.not_before.timestamp() - now
+
+
+@dataclass(frozen=True)
+class Document:
+    """A whole Scheduled Events reply. `warnings` lists what the tolerant parser passed over."""
+
+    incarnation: int
+    events: tuple[Event, ...]
+    raw: Mapping[str, Any] = field(default_factory=dict, hash=False, repr=False, compare=False)
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def event(self, event_id: str) -> Event | None:
+        for event in self.events:
+            if event.event_id == event_id:
+                return event
+        return None
+
+
+EMPTY_DOCUMENT = Document(incarnation=0, events=(), raw={"DocumentIncarnation": 0, "Events": []})
+
+_ISO_Z = re.compile(r"Z$", re.IGNORECASE)
+
+
+def parse_not_before(value: str) -> datetime:
+    """Parse NotBefore: RFC 1123 as IMDS sends it (`Mon, 11 Apr 2022 22:26:58 GMT`), or ISO 8601.
+
+    Raises ValueError when neither form fits. The empty string means "no NotBefore" and is handled by
+    the caller, not here.
+    """
+    text = value.strip()
+    try:
+        parsed = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        try:
+            parsed = datetime.fromisoformat(_ISO_Z.sub("+00:00", text))
+        except ValueError:
+            raise ValueError(f"NotBefore {value!r} is neither RFC 1123 nor ISO 8601") from None
+    if parsed.tzinfo is None:
+        # Both forms without a zone are read as UTC: IMDS documents its times as GMT.
+        parsed = parsed.replace(tzinfo=timezone.utc)
+    return parsed.astimezone(timezone.utc)
+
+
+def format_not_before(moment: datetime) -> str:
+    """Format a time the way IMDS writes NotBefore (RFC 1123, GMT)."""
+    return format_datetime(moment.astimezone(timezone.utc), usegmt=True)
+
+
+def _optional_str(raw: Mapping[str, Any], name: str, where: str) -> str | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise DocumentError(f"{where}.{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _required_str(raw: Mapping[str, Any], name: str, where: str) -> str:
+    value = _optional_str(raw, name, where)
+    if not value:
+        raise DocumentError(f"{where}.{name} is missing or empty")
+    return value
+
+
+def _parse_event(raw: Any, where: str, warnings: list[str]) -> Event:
+    if not isinstance(raw, dict):
+        raise DocumentError(f"{where} must be an object, got {type(raw).__name__}")
+    event_id = _required_str(raw, "EventId", where)
+    resources_raw = raw.get("Resources", [])
+    if not isinstance(resources_raw, list) or not all(isinstance(r, str) for r in resources_raw):
+        raise DocumentError(f"{where}.Resources must be a list of strings")
+
+    not_before: datetime | None = None
+    not_before_raw = _optional_str(raw, "NotBefore", where)
+    if not_before_raw:
+        try:
+            not_before = parse_not_before(not_before_raw)
+        except ValueError as exc:
+            # Keep the event: losing it would be worse than losing its countdown.
+            warnings.append(f"{where} ({event_id}): {exc}")
+
+    duration: int | None = None
+    if "DurationInSeconds" in raw:
+        value = raw["DurationInSeconds"]
+        if isinstance(value, int) and not isinstance(value, bool):
+            duration = value
+        elif isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            duration = int(value)
+        else:
+            warnings.append(f"{where} ({event_id}): DurationInSeconds {value!r} is not a whole number")
+
+    return Event(
+        event_id=event_id,
+        event_type=_required_str(raw, "EventType", where),
+        status=_required_str(raw, "EventStatus", where),
+        resource_type=_optional_str(raw, "ResourceType", where) or "",
+        resources=tuple(resources_raw),
+        not_before=not_before,
+        description=_optional_str(raw, "Description", where),
+        source=_optional_str(raw, "EventSource", where),
+        duration_seconds=duration,
+        raw=dict(raw),
+    )
+
+
+def _parse_incarnation(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise DocumentError(f"DocumentIncarnation must be a whole number, got {value!r}")
+
+
+def parse_document(payload: bytes | str | Mapping[str, Any]) -> Document:
+    """Build a `Document` from an IMDS reply body (bytes or text) or an already decoded object."""
+    if isinstance(payload, (bytes, str)):
+        try:
+            data: Any = json.loads(payload)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DocumentError(f"reply is not JSON: {exc}") from None
+    else:
+        data = payload
+    if not isinstance(data, dict):
+        raise DocumentError(f"document must be a JSON object, got {type(data).__name__}")
+    if "DocumentIncarnation" not in data:
+        raise DocumentError("DocumentIncarnation is missing")
+    incarnation = _parse_incarnation(data["DocumentIncarnation"])
+    events_raw = data.get("Events")
+    if not isinstance(events_raw, list):
+        raise DocumentError("Events must be a list")
+
+    warnings: list[str] = []
+    events = tuple(_parse_event(item, f"Events[{i}]", warnings) for i, item in enumerate(events_raw))
+    seen: set[str] = set()
+    for event in events:
+        if event.event_id in seen:
+            raise DocumentError(f"EventId {event.event_id} appears twice")
+        seen.add(event.event_id)
+    return Document(incarnation=incarnation, events=events, raw=data, warnings=tuple(warnings))

@@ -1,0 +1,208 @@
+"""Prometheus metrics, exactly as named in the public contract.
+
+Counters and the request histogram are ordinary prometheus-client objects, updated where things
+happen. Everything that describes the current document is built at scrape time by `EventsCollector`
+from one immutable `View`, which the poller replaces as a whole; a scrape therefore never waits for a
+poll, never does I/O, and always sees one consistent document. `seconds_to_not_before` is the only value
+that depends on the scrape moment.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Document
+from forewarn.imds.instance import VmInfo
+from forewarn.store import Backlog
+
+PREFIX = "azure_scheduled_events"
+EVENT_PREFIX = "azure_scheduled_event"
+OUTCOMES = ("completed", "cancelled")
+APPROVAL_RESULTS = ("approved", "dry_run", "failed")
+
+# `_created` series double the exposition for no use in alerting; node_exporter has none either.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything the scrape-time collector reads, replaced as a whole by the poller."""
+
+    document: Document | None = None
+    vm: VmInfo = field(default_factory=VmInfo)
+    imds_up: bool = False
+    last_success: float | None = None
+    backlogs: Mapping[str, Backlog] = field(default_factory=dict)
+    store_writable: bool = True
+
+
+class ViewHolder:
+    """The current View, swapped atomically; `update` is safe from several threads."""
+
+    def __init__(self, view: View | None = None) -> None:
+        self._view = view or View()
+        self._lock = threading.Lock()
+
+    @property
+    def view(self) -> View:
+        return self._view
+
+    def update(self, **changes: Any) -> None:
+        with self._lock:
+            self._view = replace(self._view, **changes)
+
+    def set_backlog(self, sink: str, backlog: Backlog) -> None:
+        with self._lock:
+            self._view = replace(self._view, backlogs={**self._view.backlogs, sink: backlog})
+
+
+class Metrics:
+    """All forewarn metrics in one registry (never the global one, so tests can run many)."""
+
+    def __init__(self, api_version: str = DEFAULT_API_VERSION, clock: Callable[[], float] = time.time):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.views = ViewHolder()
+        r = self.registry
+        self.observed = Counter(f"{PREFIX}_observed", "Distinct scheduled events first seen.",
+                                ["event_type", "event_source"], registry=r)
+        self.ended = Counter(f"{PREFIX}_ended", "Scheduled events that left the document, by outcome.",
+                             ["event_type", "outcome"], registry=r)
+        self.approvals = Counter(f"{PREFIX}_approvals", "Approval decisions carried out.",
+                                 ["event_type", "result"], registry=r)
+        self.imds_requests = Counter(f"{PREFIX}_imds_requests", "IMDS requests by method and HTTP status "
+                                     "(code=error for transport failures).", ["method", "code"], registry=r)
+        self.imds_duration = Histogram(
+            f"{PREFIX}_imds_request_duration_seconds", "IMDS request latency.", ["method"], registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
+        )
+        self.document_errors = Counter(f"{PREFIX}_document_errors", "IMDS replies that were not a valid "
+                                       "Scheduled Events document.", registry=r)
+        self.document_warnings = Counter(f"{PREFIX}_document_warnings", "Event fields the tolerant parser "
+                                         "could not read (the event was kept).", registry=r)
+        self.records = Counter(f"{PREFIX}_records", "Records delivered, by sink.", ["sink"], registry=r)
+        self.record_failures = Counter(f"{PREFIX}_record_failures", "Failed delivery attempts, by sink.",
+                                       ["sink"], registry=r)
+        self.outbox_dropped = Counter(f"{PREFIX}_outbox_dropped_records", "Records dropped because the "
+                                      "outbox was full (oldest first).", registry=r)
+        self.store_errors = Counter(f"{PREFIX}_state_write_errors", "Failed writes of state or outbox "
+                                    "(disk full, read-only state dir).", registry=r)
+        self.hook_runs = Counter(f"{PREFIX}_hook_runs", "Prepare and recover hook runs by result.",
+                                 ["hook", "result"], registry=r)
+        for event_type in EVENT_TYPES:
+            for source in EVENT_SOURCES:
+                self.observed.labels(event_type, source)
+            for outcome in OUTCOMES:
+                self.ended.labels(event_type, outcome)
+            for result in APPROVAL_RESULTS:
+                self.approvals.labels(event_type, result)
+        r.register(EventsCollector(self.views, api_version, clock))
+
+    def add_sink(self, name: str) -> None:
+        """Make a sink's series visible at zero before its first delivery."""
+        self.records.labels(name)
+        self.record_failures.labels(name)
+        self.views.set_backlog(name, Backlog(records=0, oldest_created=None))
+
+
+def _label(value: str | None) -> str:
+    return value if value is not None else ""
+
+
+class EventsCollector(Collector):
+    """Builds the per-event and health families from the current View at every scrape."""
+
+    def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
+        self._views = views
+        self._api_version = api_version
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._views.view
+        now = self._clock()
+        events = view.document.events if view.document else ()
+
+        info = GaugeMetricFamily(f"{EVENT_PREFIX}_info", "A scheduled event in the current document (1).",
+                                 labels=["event_id", "event_type", "event_status", "event_source",
+                                         "resource_type", "affects_this_vm", "description"])
+        not_before = GaugeMetricFamily(f"{EVENT_PREFIX}_not_before_timestamp_seconds",
+                                       "NotBefore as Unix time; absent while NotBefore is empty.",
+                                       labels=["event_id", "event_type"])
+        countdown = GaugeMetricFamily(f"{EVENT_PREFIX}_seconds_to_not_before",
+                                      "Seconds from now until NotBefore (negative once passed).",
+                                      labels=["event_id", "event_type"])
+        duration = GaugeMetricFamily(f"{EVENT_PREFIX}_duration_seconds",
+                                     "DurationInSeconds of the event (-1 = unknown).",
+                                     labels=["event_id", "event_type"])
+        counts: dict[tuple[str, str, str], int] = {
+            (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
+        }
+        for event in events:
+            ids = [event.event_id, event.event_type]
+            info.add_metric(
+                [event.event_id, event.event_type, event.status, _label(event.source), event.resource_type,
+                 "true" if event.affects(view.vm.name) else "false", _label(event.description)],
+                1,
+            )
+            if event.not_before is not None:
+                stamp = event.not_before.timestamp()
+                not_before.add_metric(ids, stamp)
+                countdown.add_metric(ids, stamp - now)
+            if event.duration_seconds is not None:
+                duration.add_metric(ids, event.duration_seconds)
+            key = (event.event_type, event.status, _label(event.source))
+            counts[key] = counts.get(key, 0) + 1
+        yield from (info, not_before, countdown, duration)
+
+        aggregate = GaugeMetricFamily(PREFIX, "Events in the current document by type, status and source.",
+                                      labels=["event_type", "event_status", "event_source"])
+        for (event_type, status, source), count in sorted(counts.items()):
+            aggregate.add_metric([event_type, status, source], count)
+        yield aggregate
+
+        incarnation = GaugeMetricFamily(f"{PREFIX}_document_incarnation", "Last DocumentIncarnation seen.")
+        if view.document is not None:
+            incarnation.add_metric([], view.document.incarnation)
+        yield incarnation
+        yield GaugeMetricFamily(f"{PREFIX}_imds_up", "1 if the last IMDS poll succeeded, else 0.",
+                                value=1 if view.imds_up else 0)
+        last = GaugeMetricFamily(f"{PREFIX}_imds_last_success_timestamp_seconds",
+                                 "Unix time of the last successful poll.")
+        if view.last_success is not None:
+            last.add_metric([], view.last_success)
+        yield last
+
+        outbox = GaugeMetricFamily(f"{PREFIX}_outbox_records", "Records waiting for delivery, by sink.",
+                                   labels=["sink"])
+        oldest = GaugeMetricFamily(f"{PREFIX}_outbox_oldest_record_age_seconds",
+                                   "Age of the oldest record waiting for the sink (0 when none).",
+                                   labels=["sink"])
+        for sink, backlog in sorted(view.backlogs.items()):
+            outbox.add_metric([sink], backlog.records)
+            age = now - backlog.oldest_created if backlog.oldest_created is not None else 0.0
+            oldest.add_metric([sink], max(age, 0.0))
+        yield outbox
+        yield oldest
+        yield GaugeMetricFamily(f"{PREFIX}_state_writable",
+                                "1 if the state dir accepts writes, 0 while records are held in memory.",
+                                value=1 if view.store_writable else 0)
+
+        build = GaugeMetricFamily(f"{PREFIX}_build_info", "forewarn build (1).",
+                                  labels=["version", "api_version"])
+        build.add_metric([__version__, self._api_version], 1)
+        yield build
+        vm = view.vm
+        vm_info = GaugeMetricFamily(f"{PREFIX}_vm_info", "This VM's identity from instance metadata (1).",
+                                    labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
+                                            "subscription_id", "location", "zone"])
+        vm_info.add_metric([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
+                            vm.location, vm.zone], 1)
+        yield vm_info

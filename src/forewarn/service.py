@@ -1,0 +1,364 @@
+"""The collector: poll IMDS, track changes, publish metrics, spool records, hand changes on.
+
+One poll, from the wire to every consumer:
+    client.get_scheduled_events() -> Document -> Tracker.apply() -> [Change]
+        -> metrics View (scrape-time collector) and counters
+        -> records -> Store.commit() with the document (outbox) -> delivery workers -> sinks
+        -> change listeners (the approver)
+Polling happens on the main thread at a fixed cadence; delivery, the HTTP server and the simulator
+have threads of their own, so nothing they do can delay a poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from forewarn import __version__
+from forewarn.config import ConfigError, Settings, parse_listen_address
+from forewarn.delivery import DeliveryWorker, StoreRef
+from forewarn.imds.client import Backoff, ImdsClient, ImdsError
+from forewarn.imds.document import Document, DocumentError
+from forewarn.imds.instance import VmInfo
+from forewarn.logs import StateLog
+from forewarn.metrics import Metrics
+from forewarn.records import Record, to_record
+from forewarn.sinks import Sink, SinkConfigError, build_sink
+from forewarn.store import DB_FILE, Store, StoreError
+from forewarn.tracker import Change, ChangeKind, Tracker
+from forewarn.web import MetricsServer, readiness_check
+
+log = logging.getLogger(__name__)
+
+#: While the state dir is unusable, how often to try it again.
+STORE_RETRY_SECONDS = 30.0
+#: Until instance metadata has been read once, how often to try again.
+COMPUTE_RETRY_SECONDS = 60.0
+
+
+class ChangeListener(Protocol):
+    def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None: ...
+
+
+class Collector:
+    """The poll loop and what it feeds. Everything with I/O is passed in, so tests can drive it."""
+
+    def __init__(
+        self,
+        client: ImdsClient,
+        metrics: Metrics,
+        store: Store,
+        state_dir: Path | None,
+        workers: Sequence[DeliveryWorker] = (),
+        stores: StoreRef | None = None,
+        vm_name: str | None = None,
+        poll_interval: float = 1.0,
+        max_backoff: float = 10.0,
+        compute_refresh: float = 3600.0,
+        store_writable: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.stores = stores or StoreRef(store)
+        self.state_dir = state_dir
+        self.workers = list(workers)
+        self.vm_name = vm_name
+        self.vm = VmInfo().with_name(vm_name)
+        self.poll_interval = poll_interval
+        self.backoff = Backoff(base=poll_interval, cap=max(max_backoff, poll_interval))
+        self.compute_refresh = compute_refresh
+        self.clock = clock
+        self.listeners: list[ChangeListener] = []
+        self.tracker = Tracker(self._load_history())
+        self._failures = 0
+        self._imds_log = StateLog(log, "IMDS")
+        self._store_log = StateLog(log, "state dir")
+        self._warned: set[str] = set()
+        self._next_compute = 0.0
+        self._store_writable = store_writable
+        self._next_store_retry = clock() + STORE_RETRY_SECONDS
+        self.metrics.views.update(vm=self.vm, store_writable=store_writable,
+                                  document=self.tracker.current)
+
+    @property
+    def store(self) -> Store:
+        return self.stores.store
+
+    def _load_history(self) -> Document | None:
+        try:
+            document = self.store.load_document()
+        except StoreError as exc:
+            log.error("cannot read saved state (%s); starting without history", exc)
+            return None
+        if document is not None:
+            log.info("resuming from saved state: incarnation %d with %d event(s)",
+                     document.incarnation, len(document.events))
+        return document
+
+    # --- one poll -----------------------------------------------------------------------------
+    def poll_once(self) -> float:
+        """Poll IMDS once and pass on what changed; returns the seconds to wait before the next poll."""
+        now = self.clock()
+        if now >= self._next_compute:
+            self._refresh_compute(now)
+        if not self._store_writable and now >= self._next_store_retry:
+            self._try_disk_store()
+        try:
+            document = self.client.get_scheduled_events()
+        except ImdsError as exc:
+            return self._poll_failed(exc.kind, str(exc), exc.retry_after, retryable=exc.retryable)
+        except DocumentError as exc:
+            self.metrics.document_errors.inc()
+            return self._poll_failed("document", f"reply is not a valid document: {exc}", None, retryable=True)
+        self._failures = 0
+        self._imds_log.ok()
+        self.handle_document(document, self.clock())
+        return self.poll_interval
+
+    def _poll_failed(self, key: str, message: str, retry_after: float | None, retryable: bool) -> float:
+        self._failures += 1
+        self.metrics.views.update(imds_up=False)
+        kept = len(self.tracker.current.events) if self.tracker.current else 0
+        self._imds_log.failing(key, f"{message}; keeping the last known {kept} event(s)")
+        if not retryable:
+            # 400/404 and friends will not clear by themselves soon; poll on at the normal pace.
+            return self.poll_interval
+        delay = self.backoff.delay(self._failures - 1)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.backoff.cap))
+        return max(delay, self.poll_interval / 2)
+
+    def handle_document(self, document: Document, now: float) -> list[Change]:
+        """Everything that follows from one good document."""
+        for warning in document.warnings:
+            self.metrics.document_warnings.inc()
+            if warning not in self._warned:
+                self._warned.add(warning)
+                log.warning("document: %s (event kept)", warning)
+        changes = self.tracker.apply(document)
+        self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now)
+        if not changes:
+            return changes
+        observed_at = datetime.fromtimestamp(now, tz=timezone.utc)
+        records = []
+        for change in changes:
+            event = change.event
+            log.info("event %s %s: %s %s (NotBefore %s, resources %s)", event.event_id, change.kind,
+                     event.event_type, event.status, event.raw.get("NotBefore") or "-",
+                     ",".join(event.resources) or "-")
+            if change.kind is ChangeKind.ADDED:
+                self.metrics.observed.labels(event.event_type, event.source or "").inc()
+            elif change.kind is ChangeKind.REMOVED:
+                self.metrics.ended.labels(event.event_type, str(change.outcome)).inc()
+            records.append(to_record(change, self.vm, observed_at))
+        self.spool(records, document)
+        for listener in self.listeners:
+            try:
+                listener.on_changes(document, changes, self.vm)
+            except Exception:
+                log.exception("change listener %s failed", type(listener).__name__)
+        return changes
+
+    def spool(self, records: Sequence[Record], document: Document | None = None) -> None:
+        """Put records (and the document they came from) in the outbox, then wake the workers."""
+        try:
+            dropped = self.store.commit(document or self.tracker.current, records)
+        except StoreError as exc:
+            self.metrics.store_errors.inc()
+            self._degrade(str(exc))
+            dropped = self.store.commit(document or self.tracker.current, records)
+        if dropped:
+            self.metrics.outbox_dropped.inc(dropped)
+            log.error("outbox full (%d records): dropped the %d oldest", self.store.max_records, dropped)
+        for worker in self.workers:
+            worker.wake()
+
+    # --- when the state dir fails -------------------------------------------------------------
+    def _degrade(self, reason: str) -> None:
+        """Move the outbox into memory so records keep flowing while the disk cannot take them."""
+        self._store_log.failing("write", f"cannot write state ({reason}); holding records in memory "
+                                "until it can, retrying every %g s" % STORE_RETRY_SECONDS)
+        old = self.store
+        memory = Store(None, [w.sink.name for w in self.workers], old.max_records)
+        try:
+            rows, cursors = old.dump()
+            memory.adopt(rows, cursors, self.tracker.current)
+        except StoreError as exc:
+            log.error("could not carry the outbox over to memory (%s); records waiting on disk are "
+                      "delivered once it recovers", exc)
+        self.stores.store = memory
+        self._store_writable = False
+        self._next_store_retry = self.clock() + STORE_RETRY_SECONDS
+        self.metrics.views.update(store_writable=False)
+
+    def _try_disk_store(self) -> None:
+        self._next_store_retry = self.clock() + STORE_RETRY_SECONDS
+        if self.state_dir is None:
+            return
+        memory = self.store
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            disk = Store(self.state_dir / DB_FILE, [w.sink.name for w in self.workers], memory.max_records)
+            rows, cursors = memory.dump()
+            disk.adopt(rows, cursors, self.tracker.current)
+        except (OSError, StoreError) as exc:
+            log.debug("state dir still unusable: %s", exc)
+            return
+        self.stores.store = disk
+        self._store_writable = True
+        self._store_log.ok()
+        self.metrics.views.update(store_writable=True)
+        for worker in self.workers:
+            worker.wake()
+
+    # --- instance metadata --------------------------------------------------------------------
+    def _refresh_compute(self, now: float) -> None:
+        try:
+            info = self.client.get_compute()
+        except (ImdsError, DocumentError) as exc:
+            level = logging.WARNING if not self.vm.vm_id else logging.DEBUG
+            log.log(level, "cannot read instance metadata (%s); retrying in %g s", exc, COMPUTE_RETRY_SECONDS)
+            self._next_compute = now + COMPUTE_RETRY_SECONDS
+            return
+        vm = info.with_name(self.vm_name)
+        if vm != self.vm:
+            log.info("this VM: name=%s scale_set=%s location=%s", vm.name or "-", vm.vm_scale_set or "-",
+                     vm.location or "-")
+        self.vm = vm
+        self.metrics.views.update(vm=vm)
+        self._next_compute = now + self.compute_refresh
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Poll at a steady cadence until `stop` is set."""
+        next_poll = time.monotonic()
+        while not stop.is_set():
+            delay = self.poll_once()
+            next_poll = max(next_poll + delay, time.monotonic())
+            if delay != self.poll_interval:
+                next_poll = time.monotonic() + delay
+            stop.wait(max(0.0, next_poll - time.monotonic()))
+
+
+def open_store(state_dir: Path | None, sinks: Sequence[str], max_records: int) -> tuple[Store, bool]:
+    """The disk store, or an in-memory one (and False) when the state dir cannot be used."""
+    if state_dir is not None:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            return Store(state_dir / DB_FILE, sinks, max_records), True
+        except (OSError, StoreError) as exc:
+            log.error("state dir %s is unusable (%s); holding state and records in memory until it is",
+                      state_dir, exc)
+    return Store(None, sinks, max_records), state_dir is None
+
+
+def build_sinks(specs: Sequence[str]) -> list[Sink]:
+    sinks: list[Sink] = []
+    for spec in specs:
+        try:
+            sinks.append(build_sink(spec))
+        except SinkConfigError as exc:
+            raise ConfigError(str(exc)) from None
+    names = [sink.name for sink in sinks]
+    if len(set(names)) != len(names):
+        raise ConfigError("--sink: the same sink is given twice")
+    return sinks
+
+
+def run_collector(settings: Settings) -> int:
+    """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
+    sinks = build_sinks(settings.sink)
+    host, port = parse_listen_address(settings.listen_address)
+    simulator_server = None
+    endpoint = settings.imds_endpoint
+    state_dir = Path(settings.state_dir) if settings.state_dir else None
+    if settings.simulate:
+        from forewarn.simulator import Simulator, SimulatorServer, load_scenario
+        from forewarn.simulator.timeline import Faults, parse_fault
+
+        faults = Faults()
+        try:
+            for spec in settings.fault:
+                parse_fault(spec, faults)
+            scenario = load_scenario(settings.simulate)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        simulator_server = SimulatorServer(Simulator(scenario, speed=settings.speed, faults=faults))
+        simulator_server.serve_in_background()
+        endpoint = simulator_server.url
+        if state_dir is None:
+            state_dir = Path(tempfile.mkdtemp(prefix="forewarn-sim-"))
+        log.info("simulator: scenario %s at %gx speed on %s", scenario.name, settings.speed, endpoint)
+    elif endpoint == "discover":
+        from forewarn.imds.discovery import discover_endpoint
+
+        endpoint = discover_endpoint()
+
+    metrics = Metrics(api_version=settings.api_version)
+    try:
+        server = MetricsServer(host, port, metrics.registry,
+                               readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
+    except OSError as exc:
+        raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
+            from None
+
+    store, writable = open_store(state_dir, [sink.name for sink in sinks], settings.outbox_max_records)
+    stores = StoreRef(store)
+    stop = threading.Event()
+    workers = [DeliveryWorker(sink, stores, metrics, stop) for sink in sinks]
+    for sink in sinks:
+        metrics.add_sink(sink.name)
+
+    def observe(method: str, code: str, seconds: float) -> None:
+        metrics.imds_requests.labels(method, code).inc()
+        metrics.imds_duration.labels(method).observe(seconds)
+
+    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe)
+    collector = Collector(client, metrics, store, state_dir, workers, stores=stores, vm_name=settings.vm_name,
+                          poll_interval=settings.poll_interval, max_backoff=settings.imds_max_backoff,
+                          compute_refresh=settings.compute_refresh, store_writable=writable)
+    for listener in extra_listeners(settings, collector, client, metrics):
+        collector.listeners.append(listener)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    for worker in workers:
+        worker.start()
+    log.info("forewarn %s polling %s every %g s; metrics on %s/metrics; sinks: %s", __version__, endpoint,
+             settings.poll_interval, server.url, ", ".join(s.name for s in sinks))
+    try:
+        collector.run(stop)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=5)
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                log.warning("closing sink %s: %s", sink.name, exc)
+        server.stop()
+        client.close()
+        if simulator_server is not None:
+            simulator_server.stop()
+        log.info("stopped")
+    return 0
+
+
+def extra_listeners(settings: Settings, collector: Collector, client: ImdsClient,
+                    metrics: Metrics) -> list[ChangeListener]:
+    """Consumers of changes beyond metrics and records (the approver, when a policy is given)."""
+    return []

@@ -1,0 +1,233 @@
+"""The on-disk memory of the collector: the last document seen and the outbox of records to deliver.
+
+Both live in one SQLite database (WAL mode) under `--state-dir`, and one transaction writes a
+document's records together with the document itself. So after any stop, SIGKILL included, either both
+are on disk or neither is: with neither, the next start diffs against the older document and produces
+the same records again, with the same ids (at least once, nothing lost, nothing re-reported as added).
+
+Each sink has a cursor: the highest record sequence number it acknowledged. A record is deleted once
+every configured sink is past it, so a slow sink never holds back another's delivery.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from forewarn.imds.document import Document, DocumentError, parse_document
+from forewarn.records import Record
+
+DB_FILE = "forewarn.sqlite"
+DEFAULT_MAX_RECORDS = 100_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    body TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cursors (sink TEXT PRIMARY KEY, acked INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+_memory_ids = itertools.count()
+
+
+class StoreError(Exception):
+    """The store could not be read or written; the message says why (disk full, read-only, ...)."""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits for one sink: how many records and when the oldest was written."""
+
+    records: int
+    oldest_created: float | None
+
+
+class Store:
+    """State and outbox in one SQLite file (or in memory, when `path` is None)."""
+
+    def __init__(self, path: Path | None, sinks: Iterable[str], max_records: int = DEFAULT_MAX_RECORDS):
+        self.path = path
+        self.max_records = max_records
+        if path is None:
+            self._uri = f"file:forewarn-{next(_memory_ids)}?mode=memory&cache=shared"
+        else:
+            self._uri = f"file:{path}"
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        try:
+            conn = self._conn()
+            # An in-memory database lives as long as one connection to it: keep this one open.
+            self._anchor = conn
+            if path is not None:
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+            self._register_sinks(conn, list(sinks))
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open {path or 'the in-memory store'}: {exc}") from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._uri, uri=True, timeout=10, isolation_level=None,
+                                   check_same_thread=False)
+            # FULL: a record the collector counted as spooled survives power loss, not only a crash.
+            conn.execute("PRAGMA synchronous=FULL")
+            self._local.conn = conn
+        return conn
+
+    def _register_sinks(self, conn: sqlite3.Connection, sinks: list[str]) -> None:
+        with self._write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                # A sink seen for the first time starts at the oldest record still waiting; a sink no
+                # longer configured stops holding records back.
+                start = conn.execute("SELECT COALESCE(MIN(seq) - 1, (SELECT COALESCE(MAX(seq), 0) "
+                                     "FROM records)) FROM records").fetchone()[0]
+                for sink in sinks:
+                    conn.execute("INSERT OR IGNORE INTO cursors (sink, acked) VALUES (?, ?)", (sink, start))
+                marks = ",".join("?" * len(sinks))
+                conn.execute(f"DELETE FROM cursors WHERE sink NOT IN ({marks})", sinks)  # noqa: S608
+                self._prune(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def load_document(self) -> Document | None:
+        """The last document committed, or None on a first start (or an unreadable entry)."""
+        try:
+            row = self._conn().execute("SELECT value FROM state WHERE key = 'document'").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read state: {exc}") from exc
+        if row is None:
+            return None
+        try:
+            return parse_document(row[0])
+        except DocumentError:
+            return None
+
+    def commit(self, document: Document | None, records: Sequence[Record]) -> int:
+        """Write `records` to the outbox and `document` as the state, in one transaction.
+
+        Returns how many old records were dropped to keep the outbox within `max_records`. Raises
+        StoreError (and writes nothing) when the disk is full or the file is not writable.
+        """
+        now = time.time()
+        conn = self._conn()
+        with self._write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(
+                        "INSERT INTO records (body, created) VALUES (?, ?)",
+                        [(record.to_json(), now) for record in records],
+                    )
+                    if document is not None:
+                        conn.execute(
+                            "INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
+                            (json.dumps(dict(document.raw), separators=(",", ":")),),
+                        )
+                    dropped = self._enforce_bound(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StoreError(str(exc)) from exc
+        return dropped
+
+    def _enforce_bound(self, conn: sqlite3.Connection) -> int:
+        count, low = conn.execute("SELECT COUNT(*), MIN(seq) FROM records").fetchone()
+        excess = count - self.max_records
+        if excess <= 0:
+            return 0
+        conn.execute("DELETE FROM records WHERE seq < ?", (low + excess,))
+        return int(excess)
+
+    def _prune(self, conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM records WHERE seq <= (SELECT MIN(acked) FROM cursors)")
+
+    def fetch(self, sink: str, limit: int) -> list[tuple[int, Record]]:
+        """Up to `limit` records the sink has not acknowledged, oldest first."""
+        try:
+            rows = self._conn().execute(
+                "SELECT seq, body FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?) "
+                "ORDER BY seq LIMIT ?",
+                (sink, limit),
+            ).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the outbox: {exc}") from exc
+        return [(seq, Record.from_dict(json.loads(body))) for seq, body in rows]
+
+    def ack(self, sink: str, seq: int) -> None:
+        """The sink has every record up to `seq`; drop what no sink still needs."""
+        conn = self._conn()
+        with self._write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute("UPDATE cursors SET acked = MAX(acked, ?) WHERE sink = ?", (seq, sink))
+                    self._prune(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot record delivery: {exc}") from exc
+
+    def backlog(self, sink: str) -> Backlog:
+        row = self._conn().execute(
+            "SELECT COUNT(*), MIN(created) FROM records "
+            "WHERE seq > (SELECT acked FROM cursors WHERE sink = ?)",
+            (sink,),
+        ).fetchone()
+        return Backlog(records=int(row[0]), oldest_created=row[1])
+
+    def dump(self) -> tuple[list[tuple[int, str, float]], dict[str, int]]:
+        """Every waiting record and every cursor, to carry the outbox over to another store."""
+        conn = self._conn()
+        rows = conn.execute("SELECT seq, body, created FROM records ORDER BY seq").fetchall()
+        cursors = dict(conn.execute("SELECT sink, acked FROM cursors").fetchall())
+        return [(int(a), str(b), float(c)) for a, b, c in rows], {str(k): int(v) for k, v in cursors.items()}
+
+    def adopt(self, rows: Sequence[tuple[int, str, float]], cursors: dict[str, int],
+              document: Document | None) -> None:
+        """Replace this store's outbox and state with another store's (see `dump`), in one transaction.
+
+        Sequence numbers and cursors are kept as they were, so each sink resumes where it stood.
+        """
+        conn = self._conn()
+        with self._write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute("DELETE FROM records")
+                    conn.executemany("INSERT INTO records (seq, body, created) VALUES (?, ?, ?)", rows)
+                    for sink, acked in cursors.items():
+                        conn.execute("UPDATE cursors SET acked = ? WHERE sink = ?", (acked, sink))
+                    if document is not None:
+                        conn.execute(
+                            "INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
+                            (json.dumps(dict(document.raw), separators=(",", ":")),),
+                        )
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StoreError(str(exc)) from exc
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and conn is not self._anchor:
+            conn.close()
+        self._anchor.close()
