@@ -1,0 +1,173 @@
+"""Shared helpers: a simulator on loopback, the collector as a real subprocess, metric parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from forewarn.simulator import Simulator, SimulatorServer, load_scenario
+from forewarn.simulator.scenarios import Scenario, parse_scenario
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05,
+               message: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {message} (last: {last!r})")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples keyed by (name, sorted labels)."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def series(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> list[dict[str, str]]:
+    return [dict(labels) for (n, labels) in samples if n == name]
+
+
+class SimulatorHandle:
+    def __init__(self, scenario: Scenario | str, speed: float = 1.0, **kwargs: Any) -> None:
+        if isinstance(scenario, str):
+            scenario = load_scenario(scenario)
+        self.sim = Simulator(scenario, speed=speed, **kwargs)
+        self.server = SimulatorServer(self.sim).serve_in_background()
+        self.url = self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def simulator() -> Iterator[Callable[..., SimulatorHandle]]:
+    handles: list[SimulatorHandle] = []
+
+    def start(scenario: Scenario | str | dict[str, Any] = "quiet", speed: float = 1.0, **kwargs: Any) -> SimulatorHandle:
+        if isinstance(scenario, dict):
+            scenario = parse_scenario(scenario)
+        handle = SimulatorHandle(scenario, speed, **kwargs)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        handle.stop()
+
+
+class CollectorProcess:
+    """`forewarn run` as a subprocess with a file sink, on a free loopback port."""
+
+    def __init__(self, endpoint: str, state_dir: Path, *extra: str, poll_interval: float = 0.2,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.state_dir = state_dir
+        self.records_path = state_dir.parent / f"{state_dir.name}-records.jsonl"
+        self.log_path = state_dir.parent / f"{state_dir.name}-{self.port}.log"
+        self.args = [sys.executable, "-m", "forewarn", "run", "--imds-endpoint", endpoint,
+                     "--listen-address", f"127.0.0.1:{self.port}", "--state-dir", str(state_dir),
+                     "--sink", f"file:{self.records_path}", "--poll-interval", str(poll_interval), *extra]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True) -> CollectorProcess:
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=self._log, env=self.env)
+        if wait_ready:
+            wait_until(self.ready, 20, message="collector /readyz")
+        else:
+            wait_until(self.alive, 20, message="collector /healthz")
+        return self
+
+    def alive(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"collector exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def ready(self) -> bool:
+        if not self.alive():
+            return False
+        return requests.get(self.url + "/readyz", timeout=1).status_code == 200
+
+    def metrics_text(self) -> str:
+        response = requests.get(self.url + "/metrics", timeout=2)
+        response.raise_for_status()
+        return response.text
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return parse_metrics(self.metrics_text())
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.records_path.exists():
+            return []
+        return [json.loads(line) for line in self.records_path.read_text().splitlines() if line.strip()]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(15)
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[Callable[..., CollectorProcess]]:
+    started: list[CollectorProcess] = []
+
+    def start(endpoint: str, *extra: str, name: str = "state", wait_ready: bool = True,
+              **kwargs: Any) -> CollectorProcess:
+        proc = CollectorProcess(endpoint, tmp_path / name, *extra, **kwargs).start(wait_ready=wait_ready)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.kill()

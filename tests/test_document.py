@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from forewarn.imds.document import API_VERSIONS, DocumentError, parse_document, parse_not_before
+from forewarn.simulator import Simulator, load_scenario
+
+DOC_EXAMPLE = {
+    "DocumentIncarnation": 2,
+    "Events": [{
+        "EventId": "C7061BAC-AFDC-4513-B24B-AA5F13A16123", "EventType": "Freeze",
+        "ResourceType": "VirtualMachine", "Resources": ["WestNO_0", "WestNO_1"], "EventStatus": "Scheduled",
+        "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT",
+        "Description": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
+        "EventSource": "Platform", "DurationInSeconds": 5,
+    }],
+}
+
+
+def test_documented_example_parses_with_every_field() -> None:
+    document = parse_document(json.dumps(DOC_EXAMPLE).encode())
+    assert document.incarnation == 2
+    (event,) = document.events
+    assert event.event_type == "Freeze" and event.status == "Scheduled" and event.source == "Platform"
+    assert event.resources == ("WestNO_0", "WestNO_1")
+    assert event.not_before == datetime(2022, 4, 11, 22, 26, 58, tzinfo=timezone.utc)
+    assert event.duration_seconds == 5
+    assert event.affects("WestNO_1") and not event.affects("WestNO_2") and not event.affects(None)
+
+
+@pytest.mark.parametrize("version", API_VERSIONS)
+def test_every_api_version_parses_and_older_ones_lack_newer_fields(version: str) -> None:
+    sim = Simulator(load_scenario("platform-reboot"), clock=lambda: 1_000.0)
+    sim.started_wall = 1_000.0 - 5  # 5 s into the scenario: the reboot is Scheduled
+    document = parse_document(sim.document(version))
+    (event,) = document.events
+    assert event.event_type == "Reboot" and event.status == "Scheduled" and event.not_before is not None
+    assert (event.description is not None) == (version >= "2019-04-01")
+    assert (event.source is not None) == (version >= "2019-08-01")
+    assert (event.duration_seconds is not None) == (version >= "2020-07-01")
+
+
+def test_empty_events_means_nothing_scheduled() -> None:
+    document = parse_document(b'{"DocumentIncarnation": 1, "Events": []}')
+    assert document.events == () and document.incarnation == 1
+
+
+def test_empty_not_before_means_none() -> None:
+    raw = json.loads(json.dumps(DOC_EXAMPLE))
+    raw["Events"][0].update(EventStatus="Started", NotBefore="")
+    (event,) = parse_document(raw).events
+    assert event.not_before is None and event.seconds_to_not_before(0) is None
+
+
+@pytest.mark.parametrize("text", ["2022-04-11T22:26:58Z", "2022-04-11T22:26:58+00:00", "2022-04-12T00:26:58+02:00",
+                                  "Mon, 11 Apr 2022 22:26:58 GMT", "Mon, 11 Apr 2022 22:26:58 +0000"])
+def test_not_before_accepts_rfc1123_and_iso8601(text: str) -> None:
+    assert parse_not_before(text) == datetime(2022, 4, 11, 22, 26, 58, tzinfo=timezone.utc)
+
+
+def test_unknown_fields_types_and_statuses_are_kept() -> None:
+    raw = json.loads(json.dumps(DOC_EXAMPLE))
+    raw["Events"][0].update(EventType="Hibernate", EventStatus="Paused", FutureField={"x": 1})
+    raw["Extra"] = True
+    document = parse_document(raw)
+    (event,) = document.events
+    assert event.event_type == "Hibernate" and event.status == "Paused"
+    assert event.raw["FutureField"] == {"x": 1}
+    assert document.raw["Extra"] is True
+
+
+def test_unreadable_not_before_keeps_the_event_with_a_warning() -> None:
+    raw = json.loads(json.dumps(DOC_EXAMPLE))
+    raw["Events"][0]["NotBefore"] = "next tuesday"
+    document = parse_document(raw)
+    assert document.events[0].not_before is None
+    assert "next tuesday" in document.warnings[0]
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (b"<html>gateway error</html>", "not JSON"),
+    (b'{"DocumentIncarnation": 1, "Events": [', "not JSON"),
+    (b"[]", "must be a JSON object"),
+    (b'{"Events": []}', "DocumentIncarnation is missing"),
+    (b'{"DocumentIncarnation": "x", "Events": []}', "whole number"),
+    (b'{"DocumentIncarnation": 1}', "Events must be a list"),
+    (b'{"DocumentIncarnation": 1, "Events": [1]}', "Events[0] must be an object"),
+    (b'{"DocumentIncarnation": 1, "Events": [{"EventType": "Reboot", "EventStatus": "Scheduled"}]}', "EventId"),
+    (b'{"DocumentIncarnation": 1, "Events": [{"EventId": "a", "EventType": "Reboot", "EventStatus": "Scheduled",'
+     b' "Resources": "vm"}]}', "Resources must be a list"),
+    (b'{"DocumentIncarnation": 1, "Events": [{"EventId": "a", "EventType": "Reboot", "EventStatus": "Scheduled"},'
+     b' {"EventId": "a", "EventType": "Reboot", "EventStatus": "Scheduled"}]}', "appears twice"),
+])
+def test_wrong_shapes_are_errors_that_say_what_is_wrong(payload: bytes, message: str) -> None:
+    with pytest.raises(DocumentError, match=message.replace("[", r"\[")):
+        parse_document(payload)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.one_of(json_values, st.fixed_dictionaries({"DocumentIncarnation": json_values, "Events": json_values})))
+def test_any_json_either_parses_or_raises_document_error(value: object) -> None:
+    try:
+        parse_document(json.dumps(value))
+    except DocumentError:
+        pass
+
+
+@given(st.binary(max_size=64))
+def test_any_bytes_either_parse_or_raise_document_error(payload: bytes) -> None:
+    try:
+        parse_document(payload)
+    except DocumentError:
+        pass
