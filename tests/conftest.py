@@ -87,7 +87,7 @@ def simulator() -> Iterator[Callable[..., SimulatorHandle]]:
 class CollectorProcess:
     """`forewarn run` as a subprocess with a file sink, on a free loopback port."""
 
-    def __init__(self, endpoint: str, state_dir: Path, *extra: str, poll_interval: float = 0.2,
+    def __init__(self, endpoint: str, state_dir: Path, *extra: str, poll_interval: float = 0.3,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.state_dir = state_dir

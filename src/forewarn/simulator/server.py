@@ -78,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, {"error": "Bad request. api-version is invalid or was not specified",
                              "newest-versions": list(versions[::-1][:3])})
             return None
-        if sim.over_rate():
+        if sim.over_rate(self.headers.get("User-Agent", "")):
             self._error(429, "Too many requests", {"Retry-After": "1"})
             return None
         sim.requests[f"{self.command} {path}"] += 1

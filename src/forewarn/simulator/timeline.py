@@ -133,6 +133,7 @@ class Simulator:
         self.requests: collections.Counter[str] = collections.Counter()
         self.rate_violations = 0
         self._recent: collections.deque[float] = collections.deque()
+        self.request_times: dict[str, collections.deque[float]] = {}
         self._first_served = False
 
     # --- time ---------------------------------------------------------------------------------
@@ -278,12 +279,13 @@ class Simulator:
                     return True
             return False
 
-    def over_rate(self) -> bool:
+    def over_rate(self, caller: str = "") -> bool:
         """Count a request against the 5-per-second budget; True when it exceeds it (IMDS says 429)."""
-        if self.rate_limit is None:
-            return False
         with self._lock:
             wall = self.clock()
+            self.request_times.setdefault(caller, collections.deque(maxlen=1_000_000)).append(wall)
+            if self.rate_limit is None:
+                return False
             while self._recent and self._recent[0] <= wall - 1.0:
                 self._recent.popleft()
             if len(self._recent) >= self.rate_limit:
@@ -291,6 +293,18 @@ class Simulator:
                 return True
             self._recent.append(wall)
             return False
+
+    def max_rate(self, caller_prefix: str) -> int:
+        """The most requests that callers whose User-Agent starts with `caller_prefix` made in any 1 s."""
+        with self._lock:
+            times = sorted(t for caller, stamps in self.request_times.items() if caller.startswith(caller_prefix)
+                           for t in stamps)
+        best, low = 0, 0
+        for high, stamp in enumerate(times):
+            while stamp - times[low] >= 1.0:
+                low += 1
+            best = max(best, high - low + 1)
+        return best
 
     def first_request(self) -> bool:
         with self._lock:

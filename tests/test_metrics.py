@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import generate_latest
+
+from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
+from forewarn.imds.instance import VmInfo
+from forewarn.metrics import Metrics
+from forewarn.store import Backlog
+
+from conftest import parse_metrics, sample, series
+
+DOC = parse_document({"DocumentIncarnation": 4, "Events": [
+    {"EventId": "A", "EventType": "Reboot", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
+     "EventStatus": "Scheduled", "NotBefore": "Thu, 01 Jan 1970 00:16:40 GMT", "Description": "host update",
+     "EventSource": "Platform", "DurationInSeconds": -1},
+    {"EventId": "B", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["vm-1"],
+     "EventStatus": "Started", "NotBefore": "", "Description": "", "EventSource": "Platform", "DurationInSeconds": 5},
+    {"EventId": "C", "EventType": "Hibernate", "Resources": [], "EventStatus": "Scheduled", "NotBefore": ""},
+]})
+
+
+def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return parse_metrics(generate_latest(metrics.registry).decode())
+
+
+def test_per_event_series_follow_the_document_and_countdown_uses_scrape_time() -> None:
+    now = [900.0]
+    metrics = Metrics(clock=lambda: now[0])
+    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=899.0)
+    samples = scrape(metrics)
+    info = {row["event_id"]: row for row in series(samples, "azure_scheduled_event_info")}
+    assert info["A"] == {"event_id": "A", "event_type": "Reboot", "event_status": "Scheduled",
+                         "event_source": "Platform", "resource_type": "VirtualMachine", "affects_this_vm": "true",
+                         "description": "host update"}
+    assert info["B"]["affects_this_vm"] == "false" and info["C"]["event_source"] == ""
+    assert sample(samples, "azure_scheduled_event_not_before_timestamp_seconds", event_id="A",
+                  event_type="Reboot") == 1000.0
+    assert sample(samples, "azure_scheduled_event_seconds_to_not_before", event_id="A", event_type="Reboot") == 100.0
+    now[0] = 950.0
+    assert sample(scrape(metrics), "azure_scheduled_event_seconds_to_not_before", event_id="A",
+                  event_type="Reboot") == 50.0
+    # absent while NotBefore is empty; duration absent when the document lacks it
+    assert [r["event_id"] for r in series(samples, "azure_scheduled_event_seconds_to_not_before")] == ["A"]
+    assert sorted(r["event_id"] for r in series(samples, "azure_scheduled_event_duration_seconds")) == ["A", "B"]
+    assert sample(samples, "azure_scheduled_events_document_incarnation") == 4
+    assert sample(samples, "azure_scheduled_events_imds_up") == 1
+
+
+def test_series_vanish_when_the_event_leaves() -> None:
+    metrics = Metrics()
+    metrics.views.update(document=DOC)
+    metrics.views.update(document=parse_document({"DocumentIncarnation": 5, "Events": []}))
+    assert series(scrape(metrics), "azure_scheduled_event_info") == []
+
+
+def test_aggregates_are_zero_filled_and_unknown_values_pass_through() -> None:
+    metrics = Metrics()
+    metrics.views.update(document=DOC)
+    samples = scrape(metrics)
+    rows = series(samples, "azure_scheduled_events")
+    assert len(rows) == len(EVENT_TYPES) * len(EVENT_STATUSES) * len(EVENT_SOURCES) + 1
+    assert sample(samples, "azure_scheduled_events", event_type="Reboot", event_status="Scheduled",
+                  event_source="Platform") == 1
+    assert sample(samples, "azure_scheduled_events", event_type="Terminate", event_status="Started",
+                  event_source="User") == 0
+    assert sample(samples, "azure_scheduled_events", event_type="Hibernate", event_status="Scheduled",
+                  event_source="") == 1
+    assert sample(samples, "azure_scheduled_events_observed_total", event_type="Preempt", event_source="User") == 0
+    assert sample(samples, "azure_scheduled_events_ended_total", event_type="Freeze", outcome="cancelled") == 0
+    assert sample(samples, "azure_scheduled_events_approvals_total", event_type="Reboot", result="dry_run") == 0
+
+
+def test_health_build_and_vm_info() -> None:
+    metrics = Metrics(api_version="2019-08-01")
+    metrics.add_sink("stdout")
+    metrics.views.set_backlog("stdout", Backlog(records=3, oldest_created=None))
+    metrics.views.update(vm=VmInfo(name="vm-0", vm_id="id", vm_scale_set="ss", resource_group="rg",
+                                   subscription_id="sub", location="westeurope", zone="2"))
+    samples = scrape(metrics)
+    assert sample(samples, "azure_scheduled_events_imds_up") == 0
+    assert sample(samples, "azure_scheduled_events_outbox_records", sink="stdout") == 3
+    assert sample(samples, "azure_scheduled_events_records_total", sink="stdout") == 0
+    (build,) = series(samples, "azure_scheduled_events_build_info")
+    assert build["api_version"] == "2019-08-01"
+    (vm,) = series(samples, "azure_scheduled_events_vm_info")
+    assert vm == {"vm_name": "vm-0", "vm_id": "id", "vm_scale_set": "ss", "resource_group": "rg",
+                  "subscription_id": "sub", "location": "westeurope", "zone": "2"}
+    # no last-success sample before the first good poll
+    assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") is None
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is installed by .ci/run")
+def test_promtool_accepts_the_exposition() -> None:
+    metrics = Metrics()
+    metrics.add_sink("stdout")
+    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=1.0)
+    metrics.observed.labels("Reboot", "Platform").inc()
+    metrics.imds_duration.labels("GET").observe(0.01)
+    result = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(metrics.registry),
+                            capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    assert result.stdout.strip() == b"" and result.stderr.strip() == b""
