@@ -21,6 +21,18 @@ from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.simulator.scenarios import Scenario, parse_scenario
 
 
+def require_promtool() -> str:
+    """promtool's path; skips locally when it is missing, but fails in CI, where it must be installed."""
+    import shutil
+
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing in CI: scripts/test installs Debian's prometheus package")
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -72,7 +84,8 @@ class SimulatorHandle:
 def simulator() -> Iterator[Callable[..., SimulatorHandle]]:
     handles: list[SimulatorHandle] = []
 
-    def start(scenario: Scenario | str | dict[str, Any] = "quiet", speed: float = 1.0, **kwargs: Any) -> SimulatorHandle:
+    def start(scenario: Scenario | str | dict[str, Any] = "quiet", speed: float = 1.0,
+              **kwargs: Any) -> SimulatorHandle:
         if isinstance(scenario, dict):
             scenario = parse_scenario(scenario)
         handle = SimulatorHandle(scenario, speed, **kwargs)

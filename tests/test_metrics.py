@@ -1,9 +1,7 @@
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
 from prometheus_client import generate_latest
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
@@ -11,7 +9,7 @@ from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
 from forewarn.store import Backlog
 
-from conftest import parse_metrics, sample, series
+from conftest import parse_metrics, require_promtool, sample, series
 
 DOC = parse_document({"DocumentIncarnation": 4, "Events": [
     {"EventId": "A", "EventType": "Reboot", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
@@ -93,14 +91,14 @@ def test_health_build_and_vm_info() -> None:
     assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") is None
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is installed by .ci/run")
 def test_promtool_accepts_the_exposition() -> None:
+    promtool = require_promtool()
     metrics = Metrics()
     metrics.add_sink("stdout")
     metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=1.0)
     metrics.observed.labels("Reboot", "Platform").inc()
     metrics.imds_duration.labels("GET").observe(0.01)
-    result = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(metrics.registry),
+    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(metrics.registry),
                             capture_output=True, timeout=30)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.strip() == b"" and result.stderr.strip() == b""

@@ -165,12 +165,20 @@ def test_speed_compresses_not_before_in_real_time() -> None:
     assert event["NotBefore"] == "Thu, 01 Jan 1970 00:16:55 GMT"
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_every_builtin_scenario_produces_its_events() -> None:
     for name, scenario in SCENARIOS.items():
-        now = [0.0]
-        sim = Simulator(scenario, clock=lambda: now[0])
+        clock = FakeClock()
+        sim = Simulator(scenario, clock=clock)
         for t in range(0, 3500, 5):
-            now[0] = float(t)
+            clock.now = float(t)
             sim.current()
         assert len({t.event_id for t in sim.transitions}) == len(scenario.events), name
 

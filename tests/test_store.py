@@ -95,3 +95,17 @@ def test_unwritable_database_is_a_store_error(tmp_path: Path) -> None:
     target.write_text("x")
     with pytest.raises(StoreError):
         Store(target / DB_FILE, ["stdout"])
+
+
+def test_adopted_cursors_never_skip_new_records(tmp_path: Path) -> None:
+    disk = Store(tmp_path / DB_FILE, ["a"])
+    disk.commit(DOC, records(3))
+    disk.ack("a", disk.fetch("a", 10)[-1][0])
+    memory = Store(None, ["a"])
+    memory.adopt(*disk.dump(), DOC)
+    memory.commit(DOC, records(2, start=3))
+    assert [r.subject for _, r in memory.fetch("a", 10)] == ["E3", "E4"]
+    fresh = Store(tmp_path / "other.sqlite", ["a"])
+    fresh.adopt(*memory.dump(), DOC)
+    fresh.commit(DOC, records(1, start=5))
+    assert [r.subject for _, r in fresh.fetch("a", 10)] == ["E3", "E4", "E5"]

@@ -4,10 +4,11 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import raw_documents
 
 from forewarn.imds.document import parse_document
 from forewarn.tracker import ChangeKind, Outcome, Tracker, diff_documents
+
+from strategies import raw_documents
 
 
 def doc(incarnation: int, *events: dict[str, Any]) -> Any:

@@ -11,12 +11,13 @@ every configured sink is past it, so a slow sink never holds back another's deli
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,9 +71,27 @@ class Store:
             if path is not None:
                 conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
-            self._register_sinks(conn, list(sinks))
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open {path or 'the in-memory store'}: {exc}") from exc
+        self._register_sinks(list(sinks))
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; raises StoreError (nothing written) on any SQLite failure."""
+        conn = self._conn()
+        with self._write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    # On SQLITE_FULL and some I/O errors SQLite has already rolled back by itself.
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StoreError(str(exc)) from exc
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -84,23 +103,16 @@ class Store:
             self._local.conn = conn
         return conn
 
-    def _register_sinks(self, conn: sqlite3.Connection, sinks: list[str]) -> None:
-        with self._write_lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                # A sink seen for the first time starts at the oldest record still waiting; a sink no
-                # longer configured stops holding records back.
-                start = conn.execute("SELECT COALESCE(MIN(seq) - 1, (SELECT COALESCE(MAX(seq), 0) "
-                                     "FROM records)) FROM records").fetchone()[0]
-                for sink in sinks:
-                    conn.execute("INSERT OR IGNORE INTO cursors (sink, acked) VALUES (?, ?)", (sink, start))
-                marks = ",".join("?" * len(sinks))
-                conn.execute(f"DELETE FROM cursors WHERE sink NOT IN ({marks})", sinks)  # noqa: S608
-                self._prune(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+    def _register_sinks(self, sinks: list[str]) -> None:
+        with self._transaction() as conn:
+            # A sink seen for the first time starts at the oldest record still waiting; a sink no
+            # longer configured stops holding records back.
+            start = conn.execute("SELECT COALESCE(MIN(seq) - 1, 0) FROM records").fetchone()[0]
+            for sink in sinks:
+                conn.execute("INSERT OR IGNORE INTO cursors (sink, acked) VALUES (?, ?)", (sink, start))
+            marks = ",".join("?" * len(sinks))
+            conn.execute(f"DELETE FROM cursors WHERE sink NOT IN ({marks})", sinks)  # noqa: S608
+            self._prune(conn)
 
     def load_document(self) -> Document | None:
         """The last document committed, or None on a first start (or an unreadable entry)."""
@@ -122,28 +134,17 @@ class Store:
         StoreError (and writes nothing) when the disk is full or the file is not writable.
         """
         now = time.time()
-        conn = self._conn()
-        with self._write_lock:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    conn.executemany(
-                        "INSERT INTO records (body, created) VALUES (?, ?)",
-                        [(record.to_json(), now) for record in records],
-                    )
-                    if document is not None:
-                        conn.execute(
-                            "INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
-                            (json.dumps(dict(document.raw), separators=(",", ":")),),
-                        )
-                    dropped = self._enforce_bound(conn)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise StoreError(str(exc)) from exc
-        return dropped
+        with self._transaction() as conn:
+            conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
+                             [(record.to_json(), now) for record in records])
+            self._save_document(conn, document)
+            return self._enforce_bound(conn)
+
+    @staticmethod
+    def _save_document(conn: sqlite3.Connection, document: Document | None) -> None:
+        if document is not None:
+            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
+                         (json.dumps(dict(document.raw), separators=(",", ":")),))
 
     def _enforce_bound(self, conn: sqlite3.Connection) -> int:
         count, low = conn.execute("SELECT COUNT(*), MIN(seq) FROM records").fetchone()
@@ -170,33 +171,28 @@ class Store:
 
     def ack(self, sink: str, seq: int) -> None:
         """The sink has every record up to `seq`; drop what no sink still needs."""
-        conn = self._conn()
-        with self._write_lock:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    conn.execute("UPDATE cursors SET acked = MAX(acked, ?) WHERE sink = ?", (seq, sink))
-                    self._prune(conn)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot record delivery: {exc}") from exc
+        with self._transaction() as conn:
+            conn.execute("UPDATE cursors SET acked = MAX(acked, ?) WHERE sink = ?", (seq, sink))
+            self._prune(conn)
 
     def backlog(self, sink: str) -> Backlog:
-        row = self._conn().execute(
-            "SELECT COUNT(*), MIN(created) FROM records "
-            "WHERE seq > (SELECT acked FROM cursors WHERE sink = ?)",
-            (sink,),
-        ).fetchone()
+        try:
+            row = self._conn().execute(
+                "SELECT COUNT(*), MIN(created) FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?)",
+                (sink,),
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the outbox: {exc}") from exc
         return Backlog(records=int(row[0]), oldest_created=row[1])
 
     def dump(self) -> tuple[list[tuple[int, str, float]], dict[str, int]]:
         """Every waiting record and every cursor, to carry the outbox over to another store."""
         conn = self._conn()
-        rows = conn.execute("SELECT seq, body, created FROM records ORDER BY seq").fetchall()
-        cursors = dict(conn.execute("SELECT sink, acked FROM cursors").fetchall())
+        try:
+            rows = conn.execute("SELECT seq, body, created FROM records ORDER BY seq").fetchall()
+            cursors = dict(conn.execute("SELECT sink, acked FROM cursors").fetchall())
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the outbox: {exc}") from exc
         return [(int(a), str(b), float(c)) for a, b, c in rows], {str(k): int(v) for k, v in cursors.items()}
 
     def adopt(self, rows: Sequence[tuple[int, str, float]], cursors: dict[str, int],
@@ -205,26 +201,18 @@ class Store:
 
         Sequence numbers and cursors are kept as they were, so each sink resumes where it stood.
         """
-        conn = self._conn()
-        with self._write_lock:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    conn.execute("DELETE FROM records")
-                    conn.executemany("INSERT INTO records (seq, body, created) VALUES (?, ?, ?)", rows)
-                    for sink, acked in cursors.items():
-                        conn.execute("UPDATE cursors SET acked = ? WHERE sink = ?", (acked, sink))
-                    if document is not None:
-                        conn.execute(
-                            "INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
-                            (json.dumps(dict(document.raw), separators=(",", ":")),),
-                        )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise StoreError(str(exc)) from exc
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM records")
+            conn.executemany("INSERT INTO records (seq, body, created) VALUES (?, ?, ?)", rows)
+            for sink, acked in cursors.items():
+                conn.execute("UPDATE cursors SET acked = ? WHERE sink = ?", (acked, sink))
+            # New records must number after everything adopted, or a cursor would skip them.
+            high = max([seq for seq, _, _ in rows] + list(cursors.values()) + [0])
+            current = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
+            conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)",
+                         (max(high, current[0] if current else 0),))
+            self._save_document(conn, document)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

@@ -1,0 +1,193 @@
+"""The command line: precedence, errors people can act on, one-shot commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from forewarn.cli import build_parser, format_table
+from forewarn.config import RUN_OPTIONS, ConfigError, redact_url, resolve
+from forewarn.imds.document import parse_document
+
+from conftest import SimulatorHandle, free_port, wait_until
+
+
+def forewarn(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forewarn", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def parse_run(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
+    config = tmp_path / "forewarn.yaml"
+    config.write_text("poll-interval: 3\napi_version: 2019-08-01\nlisten-address: 127.0.0.1:1\nsink: [stdout]\n")
+    env = {"FOREWARN_POLL_INTERVAL": "2", "FOREWARN_LISTEN_ADDRESS": "127.0.0.1:2"}
+    settings = resolve(parse_run("--config", str(config), "--poll-interval", "1.5"), environ=env)
+    assert settings.poll_interval == 1.5 and settings.sources["poll_interval"] == "--poll-interval"
+    assert settings.listen_address == "127.0.0.1:2" and settings.sources["listen_address"] == "FOREWARN_LISTEN_ADDRESS"
+    assert settings.api_version == "2019-08-01"
+    assert settings.imds_timeout == 2.0 and settings.sources["imds_timeout"] == "default"
+
+
+def test_config_file_from_environment_and_repeatable_sinks(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("sink: [stdout, 'file:/tmp/x.jsonl']\n")
+    settings = resolve(parse_run(), environ={"FOREWARN_CONFIG": str(config)})
+    assert settings.sink == ["stdout", "file:/tmp/x.jsonl"]
+    assert resolve(parse_run(), environ={"FOREWARN_SINK": "stdout,file:/a"}).sink == ["stdout", "file:/a"]
+    assert resolve(parse_run("--sink", "file:/b", "--sink", "stdout"), environ={}).sink == ["file:/b", "stdout"]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--poll-interval", "abc"], {}, "--poll-interval"),
+    (["--poll-interval", "0.1"], {}, "at least 0.2"),
+    (["--api-version", "2018-02-02"], {}, "2020-07-01"),
+    (["--listen-address", "nowhere"], {}, "HOST:PORT"),
+    (["--imds-endpoint", "ftp://x"], {}, "discover"),
+    ([], {"FOREWARN_POLL_INTERVAL": "soon"}, "FOREWARN_POLL_INTERVAL"),
+    ([], {"FOREWARN_LOG_FORMAT": "xml"}, "text, json"),
+])
+def test_bad_values_name_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(parse_run(*argv), environ=env)
+
+
+def test_config_file_errors_name_file_and_position(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("poll-interval: 1\nsink: [stdout\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+, column \d+"):
+        resolve(parse_run("--config", str(bad)), environ={})
+    bad.write_text("pol-interval: 1\n")
+    with pytest.raises(ConfigError, match="unknown option 'pol-interval'"):
+        resolve(parse_run("--config", str(bad)), environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve(parse_run("--config", str(tmp_path / "missing.yaml")), environ={})
+
+
+def test_every_run_option_has_an_environment_variable() -> None:
+    assert all(option.env == "FOREWARN_" + option.name.replace("-", "_").upper() for option in RUN_OPTIONS)
+
+
+def test_redaction_hides_credentials_and_tokens() -> None:
+    assert redact_url("https://user:pw@hooks.example/x?sig=abc") == "https://<redacted>@hooks.example/x?<redacted>"
+    assert redact_url("file:/var/log/x.jsonl") == "file:/var/log/x.jsonl"
+    settings = resolve(parse_run("--imds-endpoint", "http://u:secretpw@127.0.0.1:1"), environ={})
+    assert "secretpw" not in json.dumps(settings.redacted())
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--poll-interval", "x"],
+    ["run", "--sink", "kafka"],
+    ["run", "--sink", "file:"],
+    ["run", "--bogus"],
+    ["run", "--simulate", "no-such-scenario", "--listen-address", "127.0.0.1:0"],
+    ["events", "--api-version", "1999-01-01"],
+    ["simulate", "--fault", "nope:1"],
+    [],
+])
+def test_user_errors_exit_2_without_traceback(argv: list[str]) -> None:
+    result = forewarn(*argv)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip()
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = forewarn("run", "--simulate", "quiet", "--listen-address", f"127.0.0.1:{port}")
+    assert result.returncode == 2 and "--listen-address" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version() -> None:
+    result = forewarn("version")
+    assert result.returncode == 0
+    assert "forewarn 0.1.0" in result.stdout and "2020-07-01" in result.stdout and "python 3." in result.stdout
+
+
+def test_events_table_and_json(simulator: Callable[..., SimulatorHandle]) -> None:
+    sim = simulator("other-vm")
+    wait_until(lambda: sim.sim.current()[1], timeout=5)
+    table = forewarn("events", "--imds-endpoint", sim.url, "--vm-name", "vm-1")
+    assert table.returncode == 0, table.stderr
+    assert "Reboot" in table.stdout and "Scheduled" in table.stdout and "*vm-1" in table.stdout
+    as_json = forewarn("events", "--imds-endpoint", sim.url, "--output", "json")
+    document = json.loads(as_json.stdout)
+    assert document["Events"][0]["Resources"] == ["vm-1"]
+
+
+def test_events_reports_an_unreachable_imds_without_traceback() -> None:
+    result = forewarn("events", "--imds-endpoint", f"http://127.0.0.1:{free_port()}", "--timeout", "1")
+    assert result.returncode == 1
+    assert "cannot read Scheduled Events" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_format_table_shows_countdown_and_unknown_duration() -> None:
+    from datetime import datetime, timezone
+
+    document = parse_document({"DocumentIncarnation": 3, "Events": [
+        {"EventId": "E", "EventType": "Reboot", "EventStatus": "Scheduled", "Resources": ["vm-0"],
+         "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "DurationInSeconds": -1}]})
+    text = format_table(document, "vm-0", datetime(2022, 4, 11, 22, 12, 0, tzinfo=timezone.utc))
+    assert "in 14m58s" in text and "unknown" in text and "*vm-0" in text
+
+
+def test_simulate_command_serves_imds_for_the_events_command() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "simulate", "spot-preempt", "--listen-address",
+                             f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def events() -> str:
+            result = forewarn("events", "--imds-endpoint", f"http://127.0.0.1:{port}", "--timeout", "2")
+            return result.stdout if "Preempt" in result.stdout else ""
+        assert "Preempt" in wait_until(events, timeout=20, interval=0.5)
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+
+
+def test_simulate_list() -> None:
+    result = forewarn("simulate", "--list")
+    assert result.returncode == 0
+    for name in ("live-migration", "spot-preempt", "hardware-failure", "degraded-hardware", "tour"):
+        assert name in result.stdout
+
+
+def test_run_simulate_serves_metrics_and_prints_records() -> None:
+    import requests
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "run", "--simulate", "spot-preempt", "--speed", "10",
+                             "--listen-address", f"127.0.0.1:{port}", "--poll-interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def metrics_with_event() -> str:
+        try:
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+        except requests.RequestException:
+            return ""
+        return text if "azure_scheduled_event_info{" in text else ""
+
+    try:
+        text = wait_until(metrics_with_event, timeout=15)
+        assert "azure_scheduled_events_imds_up 1.0" in text
+        assert 'event_type="Preempt"' in text
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert json.loads(out.splitlines()[0])["data"]["event"]["EventType"] == "Preempt"

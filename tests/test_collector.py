@@ -1,0 +1,154 @@
+"""The Collector in-process, against the simulator over HTTP, with a real (and really full) disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from forewarn import service
+from forewarn.delivery import DeliveryWorker, StoreRef
+from forewarn.imds.client import ImdsClient
+from forewarn.metrics import Metrics
+from forewarn.sinks.file import FileSink
+from forewarn.store import DB_FILE, Store
+
+from conftest import SimulatorHandle, wait_until
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs, so that "disk full" is the kernel's ENOSPC and not a stand-in."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def make_collector(url: str, state_dir: Path, records: Path) -> tuple[service.Collector, threading.Event]:
+    metrics = Metrics()
+    sink = FileSink(str(records))
+    metrics.add_sink(sink.name)
+    store, writable = service.open_store(state_dir, [sink.name], 1000)
+    stores = StoreRef(store)
+    stop = threading.Event()
+    worker = DeliveryWorker(sink, stores, metrics, stop, idle_refresh=0.1)
+    worker.start()
+    collector = service.Collector(ImdsClient(url), metrics, store, state_dir, [worker], stores=stores,
+                                  poll_interval=0.2, store_writable=writable)
+    return collector, stop
+
+
+def subjects(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["subject"] for line in path.read_text().splitlines()]
+
+
+def add_event(sim: SimulatorHandle, event_id: str) -> None:
+    requests.post(sim.url + "/admin/events", json={"type": "Reboot", "notice": 900, "id": event_id}, timeout=5)
+
+
+def test_full_disk_degrades_to_memory_and_recovers_without_loss(
+        small_disk: Path, tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "STORE_RETRY_SECONDS", 0.0)
+    sim = simulator("quiet", rate_limit=None)
+    records = tmp_path / "records.jsonl"
+    state_dir = small_disk / "state"
+    collector, stop = make_collector(sim.url, state_dir, records)
+    try:
+        add_event(sim, "A")
+        collector.poll_once()
+        wait_until(lambda: subjects(records) == ["A"], timeout=5)
+        assert collector.metrics.views.view.store_writable
+
+        filler = fill(small_disk)
+        for event_id in ("B", "C"):
+            add_event(sim, event_id)
+        for _ in range(50):  # a document with many events grows the database until the disk is full
+            add_event(sim, f"X{_}")
+            collector.poll_once()
+            if not collector.metrics.views.view.store_writable:
+                break
+        assert not collector.metrics.views.view.store_writable, "the full disk was noticed"
+        wait_until(lambda: {"B", "C"} <= set(subjects(records)), timeout=5, message="delivery while disk full")
+
+        filler.unlink()
+        add_event(sim, "D")
+        collector.poll_once()
+        assert collector.metrics.views.view.store_writable, "back on disk"
+        wait_until(lambda: "D" in subjects(records), timeout=5)
+    finally:
+        stop.set()
+    reopened = Store(state_dir / DB_FILE, [f"file:{records}"])
+    document = reopened.load_document()
+    assert document is not None and {"A", "B", "C", "D"} <= {e.event_id for e in document.events}
+    delivered = subjects(records)
+    assert delivered.index("A") < delivered.index("B") < delivered.index("D")
+
+
+def test_state_dir_that_cannot_be_created_is_retried(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "STORE_RETRY_SECONDS", 0.0)
+    sim = simulator("quiet", rate_limit=None)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("in the way")
+    records = tmp_path / "records.jsonl"
+    collector, stop = make_collector(sim.url, blocker / "state", records)
+    try:
+        add_event(sim, "A")
+        collector.poll_once()
+        assert not collector.metrics.views.view.store_writable
+        wait_until(lambda: subjects(records) == ["A"], timeout=5)
+        blocker.unlink()
+        add_event(sim, "B")
+        collector.poll_once()
+        assert collector.metrics.views.view.store_writable
+        wait_until(lambda: subjects(records)[-1:] == ["B"], timeout=5)
+    finally:
+        stop.set()
+    document = Store(blocker / "state" / DB_FILE, [f"file:{records}"]).load_document()
+    assert document is not None and [e.event_id for e in document.events] == ["A", "B"]
+
+
+def test_sink_outage_never_delays_polling(tmp_path: Path, simulator: Callable[..., SimulatorHandle]) -> None:
+    sim = simulator("quiet", rate_limit=None)
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("x")
+    collector, stop = make_collector(sim.url, tmp_path / "state", blocked / "records.jsonl")
+    try:
+        for event_id in ("A", "B", "C"):
+            add_event(sim, event_id)
+            collector.poll_once()
+        view = collector.metrics.views.view
+        assert view.document is not None and len(view.document.events) == 3
+        wait_until(lambda: collector.metrics.record_failures.labels(f"file:{blocked}/records.jsonl")._value.get() > 0,
+                   timeout=5)
+        sink = f"file:{blocked}/records.jsonl"
+        wait_until(lambda: collector.metrics.views.view.backlogs[sink].records == 3, timeout=10,
+                   message="three records waiting for the broken sink")
+    finally:
+        stop.set()
