@@ -27,6 +27,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: MetricsServer
     protocol_version = "HTTP/1.1"
     server_version = "forewarn"
+    # Headers and body go out as separate writes; without this, Nagle and delayed ACKs add ~40 ms.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -79,7 +81,8 @@ class MetricsServer(ThreadingHTTPServer):
         return f"http://{shown}:{port}"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
+        # The poll interval only bounds how long shutdown() waits; a long one keeps an idle agent idle.
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 1.0},
                                         name="metrics-http", daemon=True)
         self._thread.start()
 

@@ -37,6 +37,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: SimulatorServer
     protocol_version = "HTTP/1.1"
     server_version = "forewarn-imds-simulator"
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
