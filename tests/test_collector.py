@@ -54,7 +54,7 @@ def make_collector(url: str, state_dir: Path, records: Path) -> tuple[service.Co
     store, writable = service.open_store(state_dir, [sink.name], 1000)
     stores = StoreRef(store)
     stop = threading.Event()
-    worker = DeliveryWorker(sink, stores, metrics, stop, idle_refresh=0.1)
+    worker = DeliveryWorker(sink, stores, metrics, stop=stop, idle_refresh=0.1)
     worker.start()
     collector = service.Collector(ImdsClient(url), metrics, store, state_dir, [worker], stores=stores,
                                   poll_interval=0.2, store_writable=writable)

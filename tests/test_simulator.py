@@ -46,7 +46,8 @@ def test_other_methods_are_405(simulator: Callable[..., SimulatorHandle]) -> Non
 
 
 def test_incarnation_rises_on_every_change_and_not_otherwise(simulator: Callable[..., SimulatorHandle]) -> None:
-    sim = simulator("live-migration", speed=200, rate_limit=None)  # appears at 0.01 s, NotBefore 4.5 s, gone at 4.6 s
+    # appears at 0.3 s, NotBefore (Started) at 1.3 s, gone at 2.8 s: every state lasts many polls
+    sim = simulator({"events": [{"at": 0.3, "type": "Freeze", "notice": 1, "run_for": 1.5}]}, rate_limit=None)
     seen: list[tuple[int, tuple[str, ...]]] = []
 
     def observe() -> bool:

@@ -29,12 +29,16 @@ class StoreRef:
 
 
 class DeliveryWorker:
-    def __init__(self, sink: Sink, stores: StoreRef, metrics: Metrics, stop: threading.Event,
+    """Delivers one sink's records. `stop()` first drains what is waiting, for at most its timeout:
+    records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
+
+    def __init__(self, sink: Sink, stores: StoreRef, metrics: Metrics, stop: threading.Event | None = None,
                  backoff: Backoff | None = None, idle_refresh: float = 5.0) -> None:
         self.sink = sink
         self._stores = stores
         self._metrics = metrics
-        self._stop = stop
+        self._stop = stop or threading.Event()
+        self._draining = threading.Event()
         self._wake = threading.Event()
         self._backoff = backoff or Backoff(base=0.5, cap=30.0)
         self._idle_refresh = idle_refresh
@@ -47,9 +51,14 @@ class DeliveryWorker:
     def wake(self) -> None:
         self._wake.set()
 
-    def join(self, timeout: float) -> None:
+    def stop(self, drain_timeout: float = 5.0) -> None:
+        """Deliver what is waiting (up to `drain_timeout` seconds), then end the thread."""
+        self._draining.set()
         self._wake.set()
-        self._thread.join(timeout)
+        self._thread.join(drain_timeout)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(1.0)
 
     def _publish_backlog(self, store: Store) -> None:
         try:
@@ -69,6 +78,8 @@ class DeliveryWorker:
                 continue
             if not batch:
                 self._publish_backlog(store)
+                if self._draining.is_set():
+                    return
                 self._wake.wait(self._idle_refresh)
                 self._wake.clear()
                 continue
@@ -79,6 +90,8 @@ class DeliveryWorker:
                 self._failures.failing(type(exc).__name__ + str(exc)[:60],
                                        f"delivery failed, will retry: {exc}")
                 self._publish_backlog(store)
+                if self._draining.is_set():
+                    return
                 self._stop.wait(self._backoff.delay(attempt))
                 attempt += 1
                 continue

@@ -313,7 +313,7 @@ def run_collector(settings: Settings) -> int:
     store, writable = open_store(state_dir, [sink.name for sink in sinks], settings.outbox_max_records)
     stores = StoreRef(store)
     stop = threading.Event()
-    workers = [DeliveryWorker(sink, stores, metrics, stop) for sink in sinks]
+    workers = [DeliveryWorker(sink, stores, metrics) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
 
@@ -344,7 +344,7 @@ def run_collector(settings: Settings) -> int:
     finally:
         stop.set()
         for worker in workers:
-            worker.join(timeout=5)
+            worker.stop(drain_timeout=5)
         for sink in sinks:
             try:
                 sink.close()
