@@ -79,6 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--output", choices=("table", "json"), default="table", help="table (default) or json")
     events.add_argument("--vm-name", metavar="NAME", help="mark events that affect this VM")
 
+    approve = commands.add_parser("approve", help="approve scheduled events by hand (StartRequests)",
+                                  description="Start scheduled events now: one StartRequests POST with every id. "
+                                  "Each id must be in the current document.")
+    approve.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+    _endpoint_options(approve)
+
+    policy = commands.add_parser("policy", help="check or explain an approval policy")
+    policy_commands = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    check = policy_commands.add_parser("check", help="validate a policy file")
+    check.add_argument("file")
+    explain = policy_commands.add_parser("explain", help="what the policy would do with each event, and why")
+    explain.add_argument("file")
+    explain.add_argument("--document", metavar="DOC.json",
+                         help="a Scheduled Events document to explain (default: the current one from IMDS)")
+    explain.add_argument("--vm-name", metavar="NAME",
+                         help="this VM's name as in Resources (default: IMDS compute.name)")
+    _endpoint_options(explain)
+
     commands.add_parser("version", help="version, API version, Python version")
     return parser
 
@@ -166,6 +184,89 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_approve(args: argparse.Namespace) -> int:
+    client = _client_for(args)
+    try:
+        document = with_retries(client.get_scheduled_events)
+        known = {event.event_id: event for event in document.events}
+        unknown = [event_id for event_id in args.event_ids if event_id not in known]
+        if unknown:
+            listed = ", ".join(known) or "none"
+            print(f"forewarn approve: not in the current document: {', '.join(unknown)} (current events: {listed})",
+                  file=sys.stderr)
+            return 1
+        started = [event_id for event_id in args.event_ids if known[event_id].status != "Scheduled"]
+        if started:
+            print(f"forewarn approve: already started, nothing to approve: {', '.join(started)}", file=sys.stderr)
+            return 1
+        with_retries(lambda: client.start_events(args.event_ids))
+    except ImdsError as exc:
+        print(f"forewarn approve: IMDS at {client.endpoint} failed: {exc}", file=sys.stderr)
+        return 1
+    except DocumentError as exc:
+        print(f"forewarn approve: IMDS reply is not a valid Scheduled Events document: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    for event_id in args.event_ids:
+        event = known[event_id]
+        print(f"approved {event_id} ({event.event_type} of {', '.join(event.resources) or '-'})")
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from forewarn.policy import PolicyError, decide, first_match, load_policy
+
+    if args.policy_command is None:
+        raise ConfigError("policy needs a subcommand: check or explain")
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as exc:
+        print(f"forewarn policy: {exc}", file=sys.stderr)
+        return 2
+    if args.policy_command == "check":
+        print(f"{args.file}: OK ({len(policy.rules)} rule(s), leader mode {policy.leader_mode}"
+              f"{', dry run' if policy.dry_run else ''})")
+        return 0
+    vm_name = args.vm_name
+    if args.document:
+        from forewarn.imds.document import parse_document
+
+        try:
+            with open(args.document, encoding="utf-8") as handle:
+                document = parse_document(handle.read())
+        except OSError as exc:
+            raise ConfigError(f"--document {args.document}: cannot read ({exc.strerror or exc})") from None
+        except DocumentError as exc:
+            raise ConfigError(f"--document {args.document}: {exc}") from None
+    else:
+        client = _client_for(args)
+        try:
+            document = with_retries(client.get_scheduled_events)
+            if not vm_name:
+                vm_name = client.get_compute().name
+        except (ImdsError, DocumentError) as exc:
+            print(f"forewarn policy explain: cannot read Scheduled Events: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            client.close()
+    now = datetime.now(timezone.utc).timestamp()
+    print(f"policy {args.file}, VM {vm_name or '(unknown: pass --vm-name)'}, incarnation {document.incarnation}, "
+          f"{len(document.events)} event(s)")
+    for event in document.events:
+        rule, misses = first_match(policy, event, vm_name, now)
+        decision = decide(policy, event, vm_name, now, now)
+        print(f"\n{event.event_id}  {event.event_type} {event.status} source={event.source or '-'} "
+              f"resources={','.join(event.resources) or '-'}")
+        for miss in misses:
+            print(f"  skipped  {miss}")
+        print(f"  matched  {rule.name if rule else '(no rule)'}")
+        print(f"  decision {decision.action.upper()}: {decision.reason}")
+        if rule is not None and rule.prepare and decision.action != "hold":
+            print(f"  prepare  {', '.join(hook.name for hook in rule.prepare)} must succeed first")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from forewarn.simulator import SCENARIOS, Simulator, SimulatorServer, load_scenario
     from forewarn.simulator.timeline import Faults, parse_fault
@@ -220,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "run": cmd_run,
         "simulate": cmd_simulate,
         "events": cmd_events,
+        "approve": cmd_approve,
+        "policy": cmd_policy,
         "version": lambda _args: cmd_version(),
     }
     if args.command is None:

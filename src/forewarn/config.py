@@ -100,6 +100,17 @@ def _sinks(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
 @dataclass(frozen=True)
 class Option:
     name: str                      # long flag without dashes, e.g. "poll-interval"
@@ -137,6 +148,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("state-dir", "where state and the outbox survive restarts", None, metavar="PATH"),
     Option("sink", "where records go: stdout, file:PATH, eventhubs, otlp (repeatable)", ["stdout"],
            str, repeatable=True, metavar="SPEC"),
+    Option("policy", "approval policy file (YAML); without one nothing is ever approved", None, metavar="FILE"),
+    Option("dry-run", "decide and record approvals, but send no StartRequests", False, _boolean, is_flag=True),
     Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
            _positive(int), metavar="N"),
     Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0, _positive(float),
@@ -200,7 +213,10 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
     for option in options:
         flag = f"--{option.name}"
         env_help = f" [env {option.env}]"
-        if option.repeatable:
+        if option.is_flag:
+            parser.add_argument(flag, dest=option.dest, action="store_true", default=argparse.SUPPRESS,
+                                help=option.help + env_help)
+        elif option.repeatable:
             parser.add_argument(flag, dest=option.dest, action="append", metavar=option.metavar,
                                 default=argparse.SUPPRESS, help=option.help + env_help)
         else:
@@ -236,17 +252,6 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
         return option.convert(str(raw))
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{source}: {raw!r} is not valid for --{option.name} ({exc})") from None
-
-
-def _boolean(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected true or false")
 
 
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from forewarn import __version__
+from forewarn.approver import Approver
 from forewarn.config import ConfigError, Settings, parse_listen_address
 from forewarn.delivery import DeliveryWorker, StoreRef
 from forewarn.imds.client import Backoff, ImdsClient, ImdsError
@@ -29,6 +30,7 @@ from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
+from forewarn.policy import PolicyError, load_policy
 from forewarn.records import Record, to_record
 from forewarn.sinks import Sink, SinkConfigError, build_sink
 from forewarn.store import DB_FILE, Store, StoreError
@@ -82,6 +84,7 @@ class Collector:
         self._imds_log = StateLog(log, "IMDS")
         self._store_log = StateLog(log, "state dir")
         self._warned: set[str] = set()
+        self._spool_lock = threading.Lock()
         self._next_compute = 0.0
         self._store_writable = store_writable
         self._next_store_retry = clock() + STORE_RETRY_SECONDS
@@ -110,7 +113,8 @@ class Collector:
         if now >= self._next_compute:
             self._refresh_compute(now)
         if not self._store_writable and now >= self._next_store_retry:
-            self._try_disk_store()
+            with self._spool_lock:
+                self._try_disk_store()
         try:
             document = self.client.get_scheduled_events()
         except ImdsError as exc:
@@ -145,8 +149,17 @@ class Collector:
                 log.warning("document: %s (event kept)", warning)
         changes = self.tracker.apply(document)
         self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now)
-        if not changes:
-            return changes
+        if changes:
+            self._report(document, changes, now)
+        # Listeners see every good poll: approval timing depends on the clock, not only on changes.
+        for listener in self.listeners:
+            try:
+                listener.on_changes(document, changes, self.vm)
+            except Exception:
+                log.exception("change listener %s failed", type(listener).__name__)
+        return changes
+
+    def _report(self, document: Document, changes: Sequence[Change], now: float) -> None:
         observed_at = datetime.fromtimestamp(now, tz=timezone.utc)
         records = []
         for change in changes:
@@ -160,24 +173,23 @@ class Collector:
                 self.metrics.ended.labels(event.event_type, str(change.outcome)).inc()
             records.append(to_record(change, self.vm, observed_at))
         self.spool(records, document)
-        for listener in self.listeners:
-            try:
-                listener.on_changes(document, changes, self.vm)
-            except Exception:
-                log.exception("change listener %s failed", type(listener).__name__)
-        return changes
 
     def spool(self, records: Sequence[Record], document: Document | None = None) -> None:
-        """Put records (and the document they came from) in the outbox, then wake the workers."""
-        try:
-            dropped = self.store.commit(document or self.tracker.current, records)
-        except StoreError as exc:
-            self.metrics.store_errors.inc()
-            self._degrade(str(exc))
-            dropped = self.store.commit(document or self.tracker.current, records)
-        if dropped:
-            self.metrics.outbox_dropped.inc(dropped)
-            log.error("outbox full (%d records): dropped the %d oldest", self.store.max_records, dropped)
+        """Put records in the outbox, with the document they came from when given, then wake the workers.
+
+        Other threads (the approver) spool without a document: only the poll loop moves the saved state
+        forward, and only together with the records of that document's changes.
+        """
+        with self._spool_lock:
+            try:
+                dropped = self.store.commit(document, records)
+            except StoreError as exc:
+                self.metrics.store_errors.inc()
+                self._degrade(str(exc))
+                dropped = self.store.commit(document, records)
+            if dropped:
+                self.metrics.outbox_dropped.inc(dropped)
+                log.error("outbox full (%d records): dropped the %d oldest", self.store.max_records, dropped)
         for worker in self.workers:
             worker.wake()
 
@@ -325,8 +337,9 @@ def run_collector(settings: Settings) -> int:
     collector = Collector(client, metrics, store, state_dir, workers, stores=stores, vm_name=settings.vm_name,
                           poll_interval=settings.poll_interval, max_backoff=settings.imds_max_backoff,
                           compute_refresh=settings.compute_refresh, store_writable=writable)
-    for listener in extra_listeners(settings, collector, client, metrics):
-        collector.listeners.append(listener)
+    approver = build_approver(settings, collector, client, metrics)
+    if approver is not None:
+        collector.listeners.append(approver)
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
@@ -350,6 +363,8 @@ def run_collector(settings: Settings) -> int:
                 sink.close()
             except Exception as exc:
                 log.warning("closing sink %s: %s", sink.name, exc)
+        if approver is not None:
+            approver.close()
         server.stop()
         client.close()
         if simulator_server is not None:
@@ -358,7 +373,17 @@ def run_collector(settings: Settings) -> int:
     return 0
 
 
-def extra_listeners(settings: Settings, collector: Collector, client: ImdsClient,
-                    metrics: Metrics) -> list[ChangeListener]:
-    """Consumers of changes beyond metrics and records (the approver, when a policy is given)."""
-    return []
+def build_approver(settings: Settings, collector: Collector, client: ImdsClient, metrics: Metrics) -> Approver | None:
+    """The approver when a policy is given; without one nothing is ever approved."""
+    if not settings.policy:
+        if settings.dry_run:
+            log.info("--dry-run without --policy: nothing would be approved anyway")
+        return None
+    try:
+        policy = load_policy(settings.policy)
+    except PolicyError as exc:
+        raise ConfigError(f"--policy {exc}") from None
+    approver = Approver(policy, client, metrics, collector.spool, dry_run=settings.dry_run)
+    log.info("approval policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
+             policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")
+    return approver
