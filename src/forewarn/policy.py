@@ -164,6 +164,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "oneOf" and isinstance(error.instance, dict):
         return "a hook needs either 'command' (a list of arguments) or 'webhook' (an http(s) URL), with " \
                "optional 'name' and 'timeout'"
+    if error.validator == "type" and list(error.absolute_path)[-1:] == ["command"]:
+        return (f"{error.instance!r} must be a list of arguments, run without a shell, "
+                f"e.g. [\"/usr/bin/drain\", \"--now\"]")
     if error.validator == "pattern" and str(error.validator_value).startswith("^([01]"):
         return f"{error.instance!r} is not a time; use HH:MM (UTC)"
     return error.message

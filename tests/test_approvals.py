@@ -1,0 +1,245 @@
+"""Approvals end to end: `forewarn run --policy` against the simulator, which acts on StartRequests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import CollectorProcess, SimulatorHandle, sample, wait_until
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).parent.parent / "examples" / "policies"
+TWO_VMS = {"vm_name": "vm-0", "vms": ["vm-0", "vm-1"]}
+
+
+def status(sim: SimulatorHandle) -> list[str]:
+    return [event["EventStatus"] for event in sim.sim.current()[1]]
+
+
+def write_policy(tmp_path: Path, text: str, name: str = "policy.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def approved_records(proc: CollectorProcess) -> list[dict[str, Any]]:
+    return [r for r in proc.records() if r["data"]["change"] == "approved"]
+
+
+def test_approved_event_starts_early(simulator: Callable[..., SimulatorHandle],
+                                     collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("user-reboot")  # NotBefore 15 minutes after it appears
+    proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"))
+    wait_until(lambda: status(sim) == ["Started"], timeout=15, message="the reboot started early")
+    assert len(sim.sim.approval_posts) == 1
+    (record,) = wait_until(lambda: approved_records(proc), timeout=5)
+    assert record["data"]["policy_rule"] == "user-initiated" and record["data"]["dry_run"] is False
+    assert sample(proc.metrics(), "azure_scheduled_events_approvals_total", event_type="Reboot",
+                  result="approved") == 1
+    wait_until(lambda: any(r["data"]["change"] == "updated" for r in proc.records()), timeout=5)
+    time.sleep(1)
+    assert len(sim.sim.approval_posts) == 1, "no second approval once it started"
+
+
+def test_held_event_waits_for_not_before(simulator: Callable[..., SimulatorHandle],
+                                         collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("platform-reboot")
+    proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"))
+    wait_until(lambda: proc.records(), timeout=10)
+    time.sleep(2)
+    assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
+    assert approved_records(proc) == []
+    assert "rule everything-else holds it" in proc.log()
+
+
+def test_dry_run_decides_and_records_but_sends_nothing(simulator: Callable[..., SimulatorHandle],
+                                                       collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("user-reboot")
+    proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"), "--dry-run")
+    (record,) = wait_until(lambda: approved_records(proc), timeout=10)
+    assert record["data"]["dry_run"] is True and record["data"]["policy_rule"] == "user-initiated"
+    time.sleep(1.5)
+    assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
+    assert len(approved_records(proc)) == 1, "a dry-run approval is recorded once"
+    assert sample(proc.metrics(), "azure_scheduled_events_approvals_total", event_type="Reboot",
+                  result="dry_run") == 1
+
+
+def test_no_policy_never_approves(simulator: Callable[..., SimulatorHandle],
+                                  collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("user-reboot")
+    proc = collector(sim.url)
+    wait_until(lambda: proc.records(), timeout=10)
+    time.sleep(1.5)
+    assert sim.sim.approval_posts == []
+
+
+HOOK_SCRIPT = """
+import json, os, sys
+event = json.load(sys.stdin)
+with open(sys.argv[1], "a") as out:
+    out.write(json.dumps({"hook": os.environ["FOREWARN_HOOK"], "id": os.environ["FOREWARN_EVENT_ID"],
+                          "type": event["event"]["EventType"], "rule": event["rule"]}) + "\\n")
+print("hook output for", os.environ["FOREWARN_EVENT_ID"])
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def hook_policy(tmp_path: Path, exit_code: int, on_failure: str = "hold") -> tuple[str, Path]:
+    script = tmp_path / "hook.py"
+    script.write_text(HOOK_SCRIPT)
+    log = tmp_path / f"hooks-{exit_code}.jsonl"
+    command = json.dumps([sys.executable, str(script), str(log)])
+    text = f"""
+hooks:
+  recover:
+    - name: rejoin
+      command: {json.dumps([sys.executable, str(script), str(log), "0"])}
+rules:
+  - name: drain-then-approve
+    match: {{event_type: [Reboot], affects_this_vm: true}}
+    action: approve
+    prepare:
+      - name: drain
+        command: {command[:-1]}, "{exit_code}"]
+        timeout: 10
+    on_hook_failure: {on_failure}
+"""
+    return write_policy(tmp_path, text, f"hooks-{exit_code}.yaml"), log
+
+
+def test_prepare_hook_runs_before_approval_and_recover_after_completion(
+        tmp_path: Path, simulator: Callable[..., SimulatorHandle], collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator({"events": [{"at": 0.5, "type": "Reboot", "notice": 900, "run_for": 2}]})
+    policy, hook_log = hook_policy(tmp_path, 0)
+    proc = collector(sim.url, "--policy", policy)
+    wait_until(lambda: sim.sim.approval_posts, timeout=15, message="approval after the hook")
+    runs = [json.loads(line) for line in hook_log.read_text().splitlines()]
+    assert runs[0] == {"hook": "prepare", "id": runs[0]["id"], "type": "Reboot", "rule": "drain-then-approve"}
+    wait_until(lambda: len(hook_log.read_text().splitlines()) == 2, timeout=15, message="recover hook")
+    assert json.loads(hook_log.read_text().splitlines()[1])["hook"] == "recover"
+    samples = proc.metrics()
+    assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="prepare", result="success") == 1
+    assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="recover", result="success") == 1
+    assert "hook output for" in proc.log()
+
+
+def test_failing_hook_blocks_approval(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                      collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("platform-reboot")
+    policy, hook_log = hook_policy(tmp_path, 3)
+    proc = collector(sim.url, "--policy", policy)
+    wait_until(lambda: hook_log.exists(), timeout=10)
+    time.sleep(2)
+    assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
+    assert sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare", result="failure") == 1
+    assert len(hook_log.read_text().splitlines()) == 1, "a failed hook is not re-run every poll"
+    assert "exited with 3" in proc.log()
+
+
+def test_failing_hook_may_be_set_to_approve_anyway(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                                   collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("platform-reboot")
+    policy, _ = hook_policy(tmp_path, 3, on_failure="approve")
+    collector(sim.url, "--policy", policy)
+    wait_until(lambda: sim.sim.approval_posts, timeout=15)
+
+
+USER_EVENT = {**TWO_VMS, "events": [{"at": 1, "type": "Reboot", "source": "User", "notice": 900, "run_for": 60}]}
+
+
+def leader_policy(tmp_path: Path, mode: str) -> str:
+    return write_policy(tmp_path, f"leader: {{mode: {mode}, stagger: 3}}\n"
+                        "rules: [{name: user, match: {source: [User]}, action: approve}]\n", f"{mode}.yaml")
+
+
+@pytest.mark.parametrize("mode", ["first", "staggered"])
+def test_two_vms_approve_exactly_once(mode: str, tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                      collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator(USER_EVENT)
+    policy = leader_policy(tmp_path, mode)
+    primary = collector(sim.url, "--policy", policy, "--vm-name", "vm-0", name="vm0")
+    secondary = collector(sim.url, "--policy", policy, "--vm-name", "vm-1", name="vm1")
+    wait_until(lambda: status(sim) == ["Started"], timeout=15)
+    time.sleep(4)  # past the secondary's turn
+    assert len(sim.sim.approval_posts) == 1
+    assert len(approved_records(primary)) == 1 and approved_records(secondary) == []
+
+
+def test_staggered_secondary_approves_when_the_primary_is_down(
+        tmp_path: Path, simulator: Callable[..., SimulatorHandle], collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator(USER_EVENT)
+    policy = leader_policy(tmp_path, "staggered")
+    secondary = collector(sim.url, "--policy", policy, "--vm-name", "vm-1", name="vm1")
+    added = wait_until(lambda: secondary.records(), timeout=10)[0]
+    seen_at = time.time()
+    wait_until(lambda: sim.sim.approval_posts, timeout=15, message="the secondary's approval")
+    assert time.time() - seen_at >= 2.5, "the secondary waited for its turn"
+    assert len(sim.sim.approval_posts) == 1
+    assert approved_records(secondary)[0]["subject"] == added["subject"]
+
+
+def test_first_mode_secondary_never_approves_alone(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                                   collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator(USER_EVENT)
+    secondary = collector(sim.url, "--policy", leader_policy(tmp_path, "first"), "--vm-name", "vm-1", name="vm1")
+    wait_until(lambda: secondary.records(), timeout=10)
+    time.sleep(4)
+    assert sim.sim.approval_posts == []
+    assert "leader mode first: vm-0 approves" in secondary.log()
+
+
+def test_bad_policy_stops_start_up_with_its_position(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path, "rules:\n  - name: a\n    action: aprove\n")
+    result = subprocess.run([sys.executable, "-m", "forewarn", "run", "--simulate", "quiet", "--policy", policy,
+                             "--listen-address", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert f"{policy}:3: rules[0].action" in result.stderr and "Traceback" not in result.stderr
+
+
+def forewarn(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forewarn", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_manual_approve_command(simulator: Callable[..., SimulatorHandle]) -> None:
+    sim = simulator("platform-reboot", rate_limit=None)
+    event_id = wait_until(lambda: sim.sim.current()[1], timeout=5)[0]["EventId"]
+    unknown = forewarn("approve", "NOPE", "--imds-endpoint", sim.url)
+    assert unknown.returncode == 1 and "not in the current document: NOPE" in unknown.stderr
+    assert sim.sim.approval_posts == []
+    done = forewarn("approve", event_id, "--imds-endpoint", sim.url, "--api-version", "2019-08-01")
+    assert done.returncode == 0, done.stderr
+    assert f"approved {event_id}" in done.stdout
+    assert sim.sim.approval_posts[0]["event_ids"] == [event_id]
+    wait_until(lambda: status(sim) == ["Started"], timeout=5)
+    again = forewarn("approve", event_id, "--imds-endpoint", sim.url)
+    assert again.returncode == 1 and "already started" in again.stderr
+
+
+def test_policy_commands(tmp_path: Path) -> None:
+    ok = forewarn("policy", "check", str(EXAMPLES / "drain-then-approve.yaml"))
+    assert ok.returncode == 0 and "OK (3 rule(s)" in ok.stdout
+    bad = forewarn("policy", "check", write_policy(tmp_path, "rules: [{name: a, action: maybe}]\n"))
+    assert bad.returncode == 2 and "rules[0].action: 'maybe' is not valid; valid: approve, hold" in bad.stderr
+    document = tmp_path / "doc.json"
+    document.write_text(json.dumps({"DocumentIncarnation": 3, "Events": [
+        {"EventId": "F1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
+         "EventStatus": "Scheduled", "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Description": "",
+         "EventSource": "Platform", "DurationInSeconds": 5},
+        {"EventId": "R1", "EventType": "Reboot", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
+         "EventStatus": "Scheduled", "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Description": "",
+         "EventSource": "Platform", "DurationInSeconds": -1}]}))
+    explained = forewarn("policy", "explain", str(EXAMPLES / "docs-sample.yaml"), "--document", str(document),
+                         "--vm-name", "vm-0")
+    assert explained.returncode == 0, explained.stderr
+    text = explained.stdout
+    assert "F1" in text and "matched  short-freeze" in text and "decision APPROVE" in text
+    assert "R1" in text and "matched  everything-else" in text and "decision HOLD: rule everything-else" in text
+    assert "skipped  user-initiated: source Platform not in ['User']" in text
