@@ -98,8 +98,12 @@ def test_full_disk_degrades_to_memory_and_recovers_without_loss(
 
         filler.unlink()
         add_event(sim, "D")
-        collector.poll_once()
-        assert collector.metrics.views.view.store_writable, "back on disk"
+
+        def recovered() -> bool:
+            collector.poll_once()
+            return collector.metrics.views.view.store_writable
+
+        wait_until(recovered, timeout=15, interval=0.2, message="back on disk")
         wait_until(lambda: "D" in subjects(records), timeout=5)
     finally:
         stop.set()

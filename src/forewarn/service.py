@@ -207,6 +207,9 @@ class Collector:
             log.error("could not carry the outbox over to memory (%s); records waiting on disk are "
                       "delivered once it recovers", exc)
         self.stores.store = memory
+        # Closing every connection releases any lock a failed write left behind, so the disk store can be
+        # opened again as soon as there is room.
+        old.close()
         self._store_writable = False
         self._next_store_retry = self.clock() + STORE_RETRY_SECONDS
         self.metrics.views.update(store_writable=False)
@@ -216,6 +219,7 @@ class Collector:
         if self.state_dir is None:
             return
         memory = self.store
+        disk = None
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             disk = Store(self.state_dir / DB_FILE, [w.sink.name for w in self.workers], memory.max_records)
@@ -223,6 +227,8 @@ class Collector:
             disk.adopt(rows, cursors, self.tracker.current)
         except (OSError, StoreError) as exc:
             log.debug("state dir still unusable: %s", exc)
+            if disk is not None:
+                disk.close()
             return
         self.stores.store = disk
         self._store_writable = True

@@ -63,6 +63,7 @@ class Store:
         else:
             self._uri = f"file:{path}"
         self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
         self._write_lock = threading.Lock()
         try:
             conn = self._conn()
@@ -87,11 +88,21 @@ class Store:
                     conn.execute("COMMIT")
                 except BaseException:
                     # On SQLITE_FULL and some I/O errors SQLite has already rolled back by itself.
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
+                    self._rollback(conn)
                     raise
             except sqlite3.Error as exc:
                 raise StoreError(str(exc)) from exc
+
+    def _rollback(self, conn: sqlite3.Connection) -> None:
+        """End a failed transaction; a connection that cannot even roll back is closed, so that it
+        cannot keep the database's write lock and block the next writer."""
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            if conn is not self._anchor:
+                self._local.conn = None
+                conn.close()
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -101,6 +112,7 @@ class Store:
             # FULL: a record the collector counted as spooled survives power loss, not only a crash.
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
+            self._connections.append(conn)
         return conn
 
     def _register_sinks(self, sinks: list[str]) -> None:
@@ -215,7 +227,7 @@ class Store:
             self._save_document(conn, document)
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None and conn is not self._anchor:
-            conn.close()
-        self._anchor.close()
+        """Close every connection of every thread; a thread still using the store gets StoreError."""
+        for conn in self._connections:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()

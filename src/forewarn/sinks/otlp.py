@@ -1,0 +1,139 @@
+"""OTLP sink: one OpenTelemetry log record per change, exported synchronously.
+
+The delivery worker calls `send` and counts the batch delivered only when the exporter reports SUCCESS,
+so the outbox keeps every record until the backend acknowledged it (no fire-and-forget batch processor).
+
+Configuration follows the OpenTelemetry standard variables, read by the exporters themselves:
+`OTEL_EXPORTER_OTLP_[LOGS_]ENDPOINT`, `..._HEADERS`, `..._CERTIFICATE`, `..._TIMEOUT`, `..._PROTOCOL`
+(`grpc` or `http/protobuf`, the default per the specification). `--otlp-endpoint` and `--otlp-protocol`
+override them.
+
+Resource attributes follow the semantic conventions and the names used by
+opentelemetry-resource-detector-azure (`cloud.*`, `host.*`, `azure.vm.scaleset.name`, `azure.vm.sku`).
+They come from the instance metadata forewarn already read (each record carries it), not from the
+detector itself: the detector sends its own IMDS request, outside forewarn's 5-per-second budget and
+through any configured proxy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry._logs import LogRecord, SeverityNumber
+from opentelemetry.sdk._logs import ReadableLogRecord
+from opentelemetry.sdk._logs.export import LogRecordExportResult
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from forewarn import __version__
+from forewarn.records import Record
+from forewarn.sinks import SinkConfigError, SinkError
+
+PROTOCOLS = ("grpc", "http/protobuf")
+_SCOPE = InstrumentationScope("forewarn", __version__)
+
+
+def _protocol(explicit: str | None) -> str:
+    protocol = explicit or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    if protocol not in PROTOCOLS:
+        raise SinkConfigError(f"OTLP protocol {protocol!r} is not supported; valid: {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def resource_for(vm: Mapping[str, str]) -> Resource:
+    """Resource attributes for the VM a record came from (unknown values are left out)."""
+    attributes: dict[str, Any] = {
+        "service.name": "forewarn",
+        "service.version": __version__,
+        "cloud.provider": "azure",
+        "cloud.platform": "azure_vm",
+    }
+    for key, attribute in (("location", "cloud.region"), ("subscription_id", "cloud.account.id"),
+                           ("resource_id", "cloud.resource_id"), ("zone", "cloud.availability_zone"),
+                           ("vm_id", "host.id"), ("name", "host.name"), ("vm_size", "host.type"),
+                           ("os_type", "os.type"), ("vm_scale_set", "azure.vm.scaleset.name"),
+                           ("vm_size", "azure.vm.sku")):
+        if vm.get(key):
+            attributes[attribute] = vm[key]
+    return Resource.create(attributes)
+
+
+def _attributes(record: Record) -> dict[str, Any]:
+    data = record.data
+    event = data.get("event", {})
+    attributes: dict[str, Any] = {
+        "cloudevents.event_id": record.id,
+        "cloudevents.event_source": record.source,
+        "cloudevents.event_type": record.type,
+        "cloudevents.event_subject": record.subject,
+        "azure.scheduled_event.change": data["change"],
+        "azure.scheduled_event.id": event.get("EventId", record.subject),
+        "azure.scheduled_event.type": event.get("EventType", ""),
+        "azure.scheduled_event.status": event.get("EventStatus", ""),
+        "azure.scheduled_event.incarnation": data.get("incarnation", 0),
+        "azure.scheduled_event.affects_this_vm": bool(data.get("affects_this_vm", False)),
+        "azure.scheduled_event.resources": list(event.get("Resources", [])),
+    }
+    optional = {"azure.scheduled_event.source": event.get("EventSource"),
+                "azure.scheduled_event.duration_seconds": event.get("DurationInSeconds"),
+                "azure.scheduled_event.not_before": data.get("not_before"),
+                "azure.scheduled_event.outcome": data.get("outcome"),
+                "azure.scheduled_event.previous_status": data.get("previous_status"),
+                "azure.scheduled_event.policy_rule": data.get("policy_rule"),
+                "azure.scheduled_event.dry_run": data.get("dry_run")}
+    attributes.update({key: value for key, value in optional.items() if value is not None})
+    return attributes
+
+
+def _nanos(rfc3339: str) -> int:
+    from datetime import datetime
+
+    return int(datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp() * 1e9)
+
+
+class OtlpSink:
+    name = "otlp"
+
+    def __init__(self, endpoint: str | None = None, protocol: str | None = None) -> None:
+        self.protocol = _protocol(protocol)
+        if self.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
+
+            self._exporter: Any = GrpcExporter(endpoint=endpoint)
+        else:
+            from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
+
+            self._exporter = HttpExporter(endpoint=endpoint)
+
+    def send(self, records: Sequence[Record]) -> None:
+        resources: dict[tuple[tuple[str, str], ...], Resource] = {}
+        batch = []
+        for record in records:
+            vm = record.data.get("vm", {})
+            key = tuple(sorted(vm.items()))
+            if key not in resources:
+                resources[key] = resource_for(vm)
+            started = record.data["event"].get("EventStatus") == "Started"
+            warn = started or record.data["change"] in ("removed", "approved")
+            log_record = LogRecord(
+                timestamp=_nanos(record.time),
+                observed_timestamp=_nanos(record.time),
+                severity_number=SeverityNumber.WARN if warn else SeverityNumber.INFO,
+                severity_text="WARN" if warn else "INFO",
+                body=record.to_dict(),
+                attributes=_attributes(record),
+                event_name=f"azure.scheduled_event.{record.data['change']}",
+            )
+            batch.append(ReadableLogRecord(log_record, resource=resources[key], instrumentation_scope=_SCOPE))
+        try:
+            result = self._exporter.export(batch)
+        except Exception as exc:  # the exporters raise for some transport errors instead of returning FAILURE
+            raise SinkError(f"OTLP export ({self.protocol}) failed: {type(exc).__name__}") from exc
+        if result != LogRecordExportResult.SUCCESS:
+            raise SinkError(f"OTLP export ({self.protocol}) was not acknowledged")
+
+    def close(self) -> None:
+        self._exporter.shutdown()
