@@ -148,6 +148,19 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("state-dir", "where state and the outbox survive restarts", None, metavar="PATH"),
     Option("sink", "where records go: stdout, file:PATH, eventhubs, otlp (repeatable)", ["stdout"],
            str, repeatable=True, metavar="SPEC"),
+    Option("eventhubs-connection-string", "Event Hubs connection string; from the environment or the config "
+           "file only, never a flag (visible in ps)", None, secret=True, metavar="CONNSTR"),
+    Option("eventhubs-connection-string-file", "file holding the Event Hubs connection string", None,
+           metavar="PATH"),
+    Option("eventhubs-namespace", "Event Hubs namespace (e.g. myns.servicebus.windows.net), with Azure AD auth",
+           None, metavar="HOST"),
+    Option("eventhubs-name", "event hub name (with --eventhubs-namespace, or when the connection string has no "
+           "EntityPath)", None, metavar="NAME"),
+    Option("eventhubs-client-id", "client id of a user-assigned managed identity", None, metavar="ID"),
+    Option("otlp-endpoint", "OTLP endpoint (default: OTEL_EXPORTER_OTLP_[LOGS_]ENDPOINT, else the SDK default)",
+           None, metavar="URL"),
+    Option("otlp-protocol", "grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL, else "
+           "http/protobuf)", None, _choice("grpc", "http/protobuf")),
     Option("policy", "approval policy file (YAML); without one nothing is ever approved", None, metavar="FILE"),
     Option("dry-run", "decide and record approvals, but send no StartRequests", False, _boolean, is_flag=True),
     Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
@@ -271,6 +284,9 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for option in options:
+        if option.secret and option.dest in flags:
+            raise ConfigError(f"--{option.name} on the command line is visible to every user through ps; set "
+                              f"{option.env} or put it in a file")
         if option.dest in flags:
             raw, source = flags[option.dest], f"--{option.name}"
             if option.repeatable:
@@ -285,6 +301,14 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
             continue
         values[option.dest] = raw if (option.is_flag and isinstance(raw, bool)) else _convert(option, raw, source)
         sources[option.dest] = source
+    secret_file = values.get("eventhubs_connection_string_file")
+    if secret_file and not values.get("eventhubs_connection_string"):
+        try:
+            values["eventhubs_connection_string"] = Path(secret_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"--eventhubs-connection-string-file {secret_file}: cannot read "
+                              f"({exc.strerror or exc})") from None
+        sources["eventhubs_connection_string"] = f"--eventhubs-connection-string-file {secret_file}"
     if "state_dir" in values and values["state_dir"] is None and not values.get("simulate"):
         values["state_dir"] = default_state_dir()
     return Settings(values=values, sources=sources)

@@ -278,11 +278,11 @@ def open_store(state_dir: Path | None, sinks: Sequence[str], max_records: int) -
     return Store(None, sinks, max_records), state_dir is None
 
 
-def build_sinks(specs: Sequence[str]) -> list[Sink]:
+def build_sinks(specs: Sequence[str], options: Settings | None = None) -> list[Sink]:
     sinks: list[Sink] = []
     for spec in specs:
         try:
-            sinks.append(build_sink(spec))
+            sinks.append(build_sink(spec, options.values if options is not None else None))
         except SinkConfigError as exc:
             raise ConfigError(str(exc)) from None
     names = [sink.name for sink in sinks]
@@ -293,7 +293,7 @@ def build_sinks(specs: Sequence[str]) -> list[Sink]:
 
 def run_collector(settings: Settings) -> int:
     """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
-    sinks = build_sinks(settings.sink)
+    sinks = build_sinks(settings.sink, settings)
     host, port = parse_listen_address(settings.listen_address)
     simulator_server = None
     endpoint = settings.imds_endpoint

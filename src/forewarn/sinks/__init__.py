@@ -6,8 +6,8 @@ Sinks are named by a spec on the command line: `stdout`, `file:PATH`, `eventhubs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from forewarn.records import Record
 
@@ -29,8 +29,10 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def build_sink(spec: str) -> Sink:
-    """The sink a `--sink` spec names; raises SinkConfigError for an unknown or incomplete spec."""
+def build_sink(spec: str, options: Mapping[str, Any] | None = None) -> Sink:
+    """The sink a `--sink` spec names, configured from `options` (the run settings); raises
+    SinkConfigError for an unknown or incomplete spec. Heavy client libraries load only here."""
+    options = options or {}
     kind, _, arg = spec.partition(":")
     if kind == "stdout" and not arg:
         from forewarn.sinks.stdout import StdoutSink
@@ -42,4 +44,20 @@ def build_sink(spec: str) -> Sink:
         from forewarn.sinks.file import FileSink
 
         return FileSink(arg)
-    raise SinkConfigError(f"--sink {spec!r} is not a known sink; valid: stdout, file:PATH")
+    if kind == "otlp" and not arg:
+        try:
+            from forewarn.sinks.otlp import OtlpSink
+        except ImportError as exc:
+            raise SinkConfigError(f"--sink otlp needs the OpenTelemetry packages: pip install 'forewarn[otlp]' "
+                                  f"({exc.name} is missing)") from None
+        return OtlpSink(endpoint=options.get("otlp_endpoint"), protocol=options.get("otlp_protocol"))
+    if kind == "eventhubs" and not arg:
+        try:
+            from forewarn.sinks.eventhubs import EventHubsSink
+        except ImportError as exc:
+            raise SinkConfigError(f"--sink eventhubs needs azure-eventhub: pip install 'forewarn[eventhubs]' "
+                                  f"({exc.name} is missing)") from None
+        return EventHubsSink(connection_string=options.get("eventhubs_connection_string"),
+                             namespace=options.get("eventhubs_namespace"), hub=options.get("eventhubs_name"),
+                             client_id=options.get("eventhubs_client_id"))
+    raise SinkConfigError(f"--sink {spec!r} is not a known sink; valid: stdout, file:PATH, otlp, eventhubs")

@@ -1,0 +1,106 @@
+"""Azure Event Hubs sink: records in batches, one partition key per VM so each VM's records stay in order.
+
+Authentication, in order of preference for production:
+- `--eventhubs-namespace` + `--eventhubs-name` with Azure AD: a managed identity (`--eventhubs-client-id`
+  picks a user-assigned one) or whatever DefaultAzureCredential finds;
+- a connection string from `FOREWARN_EVENTHUBS_CONNECTION_STRING` or `--eventhubs-connection-string-file`
+  (never from a flag: command lines are visible to every user through `ps`).
+
+Each event body is the CloudEvents JSON (content type `application/cloudevents+json`); application
+properties carry what consumers route on without parsing: record type, event type and status, event id
+and VM name. The producer's own retries are kept short: the outbox worker retries, with backoff, forever.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub.exceptions import EventHubError
+
+from forewarn.records import Record
+from forewarn.sinks import SinkConfigError, SinkError
+
+CONTENT_TYPE = "application/cloudevents+json"
+_SECRET = re.compile(r"(SharedAccessKey|SharedAccessSignature)=[^;]*", re.IGNORECASE)
+
+
+def scrub(text: str) -> str:
+    """Remove keys and signatures from anything that might echo a connection string."""
+    return _SECRET.sub(r"\1=<redacted>", text)
+
+
+def partition_key(record: Record) -> str:
+    vm = record.data.get("vm", {})
+    return str(vm.get("vm_id") or vm.get("name") or record.source)
+
+
+def to_event(record: Record) -> EventData:
+    event = EventData(record.to_json())
+    event.content_type = CONTENT_TYPE
+    data = record.data
+    raw = data.get("event", {})
+    event.properties = {
+        "record_type": data["change"],
+        "event_type": raw.get("EventType", ""),
+        "event_status": raw.get("EventStatus", ""),
+        "event_id": record.subject,
+        "vm_name": data.get("vm", {}).get("name", ""),
+        "affects_this_vm": bool(data.get("affects_this_vm", False)),
+    }
+    event.message_id = record.id
+    return event
+
+
+class EventHubsSink:
+    name = "eventhubs"
+
+    def __init__(self, connection_string: str | None = None, namespace: str | None = None, hub: str | None = None,
+                 client_id: str | None = None, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+        options: dict[str, Any] = {"retry_total": 2, "retry_backoff_factor": 0.5, "retry_backoff_max": 5}
+        if connection_string:
+            try:
+                self._client = EventHubProducerClient.from_connection_string(
+                    connection_string, eventhub_name=hub or None, **options)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise SinkConfigError(f"Event Hubs connection string is not valid: {scrub(str(exc))}") from None
+            if not self._client.eventhub_name:
+                raise SinkConfigError("Event Hubs connection string has no EntityPath; set --eventhubs-name")
+            endpoint = re.search(r"Endpoint=sb://([^;/]+)", connection_string, re.IGNORECASE)
+            self.target = f"{endpoint.group(1) if endpoint else '?'}/{self._client.eventhub_name}"
+        elif namespace and hub:
+            from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+
+            credential: Any = ManagedIdentityCredential(client_id=client_id) if client_id else DefaultAzureCredential()
+            self._client = EventHubProducerClient(fully_qualified_namespace=namespace, eventhub_name=hub,
+                                                  credential=credential, **options)
+            self.target = f"{namespace}/{hub}"
+        else:
+            raise SinkConfigError(
+                "--sink eventhubs needs FOREWARN_EVENTHUBS_CONNECTION_STRING, --eventhubs-connection-string-file, "
+                "or --eventhubs-namespace with --eventhubs-name (Azure AD / managed identity)")
+
+    def send(self, records: Sequence[Record]) -> None:
+        groups: dict[str, list[Record]] = {}
+        for record in records:
+            groups.setdefault(partition_key(record), []).append(record)
+        try:
+            for key, group in groups.items():
+                batch = self._client.create_batch(partition_key=key)
+                for record in group:
+                    event = to_event(record)
+                    try:
+                        batch.add(event)
+                    except ValueError:  # the batch is full: send it, start the next one
+                        self._client.send_batch(batch, timeout=self.timeout)
+                        batch = self._client.create_batch(partition_key=key)
+                        batch.add(event)
+                self._client.send_batch(batch, timeout=self.timeout)
+        except EventHubError as exc:
+            raise SinkError(f"Event Hubs {self.target}: {type(exc).__name__}: {scrub(str(exc))[:200]}") from exc
+
+    def close(self) -> None:
+        self._client.close()

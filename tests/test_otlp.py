@@ -1,0 +1,154 @@
+"""The OTLP sink: the real OpenTelemetry exporters against local receivers, over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from peers.otlp import GrpcReceiver, HttpReceiverServer
+
+from conftest import CollectorProcess, SimulatorHandle, sample, wait_until
+
+pytestmark = pytest.mark.slow
+FAST = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
+
+
+@pytest.fixture(params=["grpc", "http/protobuf"])
+def receiver(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    peer: Any = GrpcReceiver() if request.param == "grpc" else HttpReceiverServer()
+    yield request.param, peer
+    peer.stop()
+
+
+def run_otlp(collector: Callable[..., CollectorProcess], sim: SimulatorHandle, protocol: str, peer: Any,
+             *extra: str, **kwargs: Any) -> CollectorProcess:
+    return collector(sim.url, "--sink", "otlp", "--otlp-protocol", protocol, "--otlp-endpoint", peer.endpoint,
+                     *extra, env=FAST, **kwargs)
+
+
+def test_one_log_record_per_change_with_semantic_resource(receiver: tuple[str, Any],
+                                                          simulator: Callable[..., SimulatorHandle],
+                                                          collector: Callable[..., CollectorProcess]) -> None:
+    protocol, peer = receiver
+    sim = simulator("cancelled-maintenance", speed=60)
+    proc = run_otlp(collector, sim, protocol, peer)
+    logs = wait_until(lambda: len(peer.received.log_records()) == 2 and peer.received.log_records(), timeout=20)
+    records = wait_until(lambda: len(proc.records()) == 2 and proc.records(), timeout=5)
+    assert [log["event_name"] for log in logs] == ["azure.scheduled_event.added", "azure.scheduled_event.removed"]
+    for log, record in zip(logs, records, strict=True):
+        assert log["body_value"]["id"] == record["id"]
+        assert log["body_value"]["data"]["event"]["EventId"] == record["subject"]
+        assert log["attrs"]["cloudevents.event_id"] == record["id"]
+        assert log["attrs"]["azure.scheduled_event.type"] == "Reboot"
+    assert logs[1]["attrs"]["azure.scheduled_event.outcome"] == "cancelled"
+    resource = logs[0]["resource"]
+    assert resource["cloud.provider"] == "azure" and resource["cloud.platform"] == "azure_vm"
+    assert resource["cloud.region"] == "westeurope" and resource["host.name"] == "vm-0"
+    assert resource["cloud.resource_id"].startswith("/subscriptions/") and resource["host.id"]
+    assert resource["cloud.account.id"] and resource["service.name"] == "forewarn"
+    assert sample(proc.metrics(), "azure_scheduled_events_records_total", sink="otlp") == 2
+
+
+def test_standard_environment_variables_configure_the_exporter(simulator: Callable[..., SimulatorHandle],
+                                                               collector: Callable[..., CollectorProcess]) -> None:
+    peer = GrpcReceiver()
+    try:
+        sim = simulator("hardware-failure", speed=100)
+        collector(sim.url, "--sink", "otlp", env={**FAST, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                                  "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": peer.endpoint})
+        wait_until(lambda: len(peer.received.log_records()) == 2, timeout=20)
+    finally:
+        peer.stop()
+
+
+def delivered_ids(peer: Any) -> list[str]:
+    return [log["attrs"]["cloudevents.event_id"] for log in peer.received.log_records()]
+
+
+def test_refusing_receiver_gets_everything_in_order_once_it_recovers(
+        receiver: tuple[str, Any], simulator: Callable[..., SimulatorHandle],
+        collector: Callable[..., CollectorProcess]) -> None:
+    protocol, peer = receiver
+    peer.received.fail = True
+    sim = simulator("live-migration", speed=60)
+    proc = run_otlp(collector, sim, protocol, peer)
+    wait_until(lambda: len(proc.records()) == 1, timeout=10)
+    requests_post = __import__("requests").post
+    requests_post(sim.url + "/metadata/scheduledevents?api-version=2020-07-01", headers={"Metadata": "true"},
+                  json={"StartRequests": [{"EventId": proc.records()[0]["subject"]}]}, timeout=5)
+    wait_until(lambda: len(proc.records()) == 3, timeout=15)
+    wait_until(lambda: (sample(proc.metrics(), "azure_scheduled_events_record_failures_total", sink="otlp") or 0) >= 1,
+               timeout=15, message="failed attempts counted")
+    wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_outbox_records", sink="otlp") == 3, timeout=15)
+    assert delivered_ids(peer) == []
+    peer.received.fail = False
+    wait_until(lambda: len(set(delivered_ids(peer))) == 3, timeout=40, message="backlog after recovery")
+    expected = [r["id"] for r in proc.records()]
+    got = delivered_ids(peer)
+    assert list(dict.fromkeys(got)) == expected, "in order, repeats only of the same id"
+    wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_outbox_records", sink="otlp") == 0, timeout=10)
+
+
+def test_receiver_down_at_start_then_up(simulator: Callable[..., SimulatorHandle],
+                                        collector: Callable[..., CollectorProcess]) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sim = simulator("cancelled-maintenance", speed=60)
+    proc = collector(sim.url, "--sink", "otlp", "--otlp-protocol", "http/protobuf", "--otlp-endpoint",
+                     f"http://127.0.0.1:{port}/v1/logs", env=FAST)
+    wait_until(lambda: len(proc.records()) == 2, timeout=15)
+    wait_until(lambda: (sample(proc.metrics(), "azure_scheduled_events_record_failures_total", sink="otlp") or 0) >= 1,
+               timeout=15, message="failed attempts counted")
+    from peers.otlp import HttpReceiverServer as Server
+
+    class Fixed(Server):
+        def __init__(self) -> None:
+            from http.server import ThreadingHTTPServer
+
+            from peers.otlp import Received, _HttpHandler
+            self.received = Received()
+            ThreadingHTTPServer.__init__(self, ("127.0.0.1", port), _HttpHandler)
+            __import__("threading").Thread(target=self.serve_forever, daemon=True).start()
+
+    peer = Fixed()
+    try:
+        wait_until(lambda: len(set(delivered_ids(peer))) == 2, timeout=45, message="delivery once the peer is up")
+        assert list(dict.fromkeys(delivered_ids(peer))) == [r["id"] for r in proc.records()]
+    finally:
+        peer.stop()
+
+
+def test_sigkill_with_a_backlog_then_restart_delivers_it(simulator: Callable[..., SimulatorHandle],
+                                                         collector: Callable[..., CollectorProcess]) -> None:
+    peer = HttpReceiverServer()
+    try:
+        peer.received.fail = True
+        sim = simulator("hardware-failure", speed=100)
+        proc = collector(sim.url, "--sink", "otlp", "--otlp-protocol", "http/protobuf", "--otlp-endpoint",
+                         peer.endpoint, env=FAST)
+        wait_until(lambda: len(proc.records()) == 2, timeout=15)
+        proc.kill()
+        peer.received.fail = False
+        again = collector(sim.url, "--sink", "otlp", "--otlp-protocol", "http/protobuf", "--otlp-endpoint",
+                          peer.endpoint, env=FAST)
+        wait_until(lambda: len(set(delivered_ids(peer))) == 2, timeout=30)
+        time.sleep(1)
+        assert list(dict.fromkeys(delivered_ids(peer))) == [r["id"] for r in again.records()]
+    finally:
+        peer.stop()
+
+
+def test_missing_packages_or_bad_protocol_are_configuration_errors() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "forewarn", "run", "--simulate", "quiet", "--sink", "otlp",
+                             "--otlp-protocol", "carrier-pigeon", "--listen-address", "127.0.0.1:0"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "--otlp-protocol" in result.stderr and "Traceback" not in result.stderr
