@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from peers.amqp import AmqpPeer
-
 from conftest import CollectorProcess, SimulatorHandle, sample, wait_until
+from peers.amqp import AmqpPeer
 
 pytestmark = pytest.mark.slow
 

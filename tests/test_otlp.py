@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from peers.otlp import GrpcReceiver, HttpReceiverServer
-
 from conftest import CollectorProcess, SimulatorHandle, sample, wait_until
+from peers.otlp import GrpcReceiver, HttpReceiverServer
 
 pytestmark = pytest.mark.slow
 FAST = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2"}

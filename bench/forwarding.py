@@ -1,0 +1,187 @@
+"""Forwarding benchmark: backlog drain rate per sink, and the memory the sinks add.
+
+- drain: 10,000 records already waiting in the outbox of a stopped collector; `forewarn run` starts
+  and its delivery worker drains them to the sink's local peer (OTLP gRPC, OTLP HTTP, the AMQP 1.0 peer,
+  the file sink). Rate = records / seconds from the first to the last record the peer received.
+- memory: resident set of `forewarn run` at 1 poll/s with only stdout (the Prometheus-only figure), then
+  with both the Event Hubs and OTLP sinks configured and delivering.
+
+    python bench/forwarding.py [--records 10000]
+
+Results are printed and written to bench/results/forwarding.json. The peers run in this process,
+the collector in its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from forewarn.imds.document import parse_document
+from forewarn.imds.instance import VmInfo
+from forewarn.records import to_record
+from forewarn.simulator import Simulator, SimulatorServer, load_scenario
+from forewarn.store import DB_FILE, Store
+from forewarn.tracker import diff_documents
+
+from peers.amqp import AmqpPeer
+from peers.otlp import GrpcReceiver, HttpReceiverServer
+
+VM = VmInfo(name="vm-0", vm_id="4d1824cf-fdc0-5660-b82f-b2a54105ac90", location="westeurope",
+            resource_id="/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-0")
+
+
+def backlog(state_dir: Path, sink: str, count: int) -> None:
+    store = Store(state_dir / DB_FILE, [sink])
+    records = []
+    for i in range(count):
+        document = parse_document({"DocumentIncarnation": i + 1, "Events": [{
+            "EventId": f"BENCH-{i:05d}", "EventType": "Reboot", "ResourceType": "VirtualMachine",
+            "Resources": ["vm-0", "vm-1"], "EventStatus": "Scheduled", "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT",
+            "Description": "Host server is undergoing maintenance.", "EventSource": "Platform",
+            "DurationInSeconds": -1}]})
+        (change,) = diff_documents(None, document)
+        records.append(to_record(change, VM, datetime.now(timezone.utc)))
+    store.commit(None, records)
+    store.close()
+
+
+def start(endpoint: str, state_dir: Path, sinks: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "forewarn", "run", "--imds-endpoint", endpoint, "--listen-address", "127.0.0.1:0",
+            "--state-dir", str(state_dir), "--log-level", "warning"]
+    for sink in sinks:
+        args += ["--sink", sink]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+
+
+def wait_count(count_fn: Any, target: int, timeout: float) -> tuple[float, float]:
+    """Times (monotonic) of the first record seen and of the target count."""
+    first = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = count_fn()
+        if n and first is None:
+            first = time.monotonic()
+        if n >= target:
+            return first or time.monotonic(), time.monotonic()
+        time.sleep(0.005)
+    raise RuntimeError(f"only {count_fn()} of {target} records arrived")
+
+
+def drain(sim_url: str, records: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    cases: list[tuple[str, Any]] = [("otlp-grpc", GrpcReceiver), ("otlp-http", HttpReceiverServer),
+                                    ("eventhubs", AmqpPeer), ("file", None)]
+    for name, peer_type in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            state = Path(tmp) / "state"
+            state.mkdir()
+            peer = peer_type() if peer_type else None
+            env: dict[str, str] = {}
+            if name.startswith("otlp"):
+                sink = "otlp"
+                env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if name == "otlp-grpc" else "http/protobuf",
+                       "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": peer.endpoint}
+
+                def count(p: Any = peer) -> int:
+                    with p.received.lock:
+                        return sum(len(sl.log_records) for r in p.received.requests for rl in r.resource_logs
+                                   for sl in rl.scope_logs)
+            elif name == "eventhubs":
+                sink = "eventhubs"
+                env = {"FOREWARN_EVENTHUBS_CONNECTION_STRING": peer.connection_string}
+
+                def count(p: Any = peer) -> int:
+                    with p.received.lock:
+                        return len(p.received.messages)
+            else:
+                out = Path(tmp) / "records.jsonl"
+                sink = f"file:{out}"
+
+                def count(path: Path = out) -> int:
+                    if not path.exists():
+                        return 0
+                    with path.open("rb") as handle:
+                        return sum(1 for _ in handle)
+            backlog(state, sink, records)
+            started = time.monotonic()
+            proc = start(sim_url, state, [sink], env)
+            try:
+                first, last = wait_count(count, records, timeout=300)
+            finally:
+                proc.terminate()
+                proc.wait(20)
+                if peer is not None:
+                    peer.stop()
+            results[name] = {"records": records, "records_per_s": records / max(last - first, 1e-9),
+                             "seconds_from_start": last - started}
+            print(name, json.dumps(results[name]), flush=True)
+    return results
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def memory(sim_url: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = start(sim_url, Path(tmp) / "a", ["stdout"], {})
+        time.sleep(15)
+        out["prometheus_only_rss_mib"] = rss_mib(proc.pid)
+        proc.terminate()
+        proc.wait(20)
+        grpc_peer, amqp = GrpcReceiver(), AmqpPeer()
+        env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": grpc_peer.endpoint,
+               "FOREWARN_EVENTHUBS_CONNECTION_STRING": amqp.connection_string}
+        proc = start(sim_url, Path(tmp) / "b", ["stdout", "otlp", "eventhubs"], env)
+        time.sleep(15)
+        out["all_sinks_rss_mib"] = rss_mib(proc.pid)
+        out["delivered_while_measuring"] = {"otlp": len(grpc_peer.received.log_records()),
+                                            "eventhubs": len(amqp.received.messages)}
+        proc.terminate()
+        proc.wait(20)
+        grpc_peer.stop()
+        amqp.stop()
+    out["added_by_sinks_mib"] = out["all_sinks_rss_mib"] - out["prometheus_only_rss_mib"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=10_000)
+    args = parser.parse_args()
+    sim = Simulator(load_scenario("tour"), speed=20)
+    server = SimulatorServer(sim).serve_in_background()
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+    }
+    try:
+        results["drain"] = drain(server.url, args.records)
+        results["memory"] = memory(server.url)
+    finally:
+        server.stop()
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "forwarding.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Sink construction: specs, configuration errors, and heavy imports only when a sink needs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from forewarn.sinks import SinkConfigError, build_sink
+
+PROBE = """
+import sys
+from forewarn.service import build_sinks
+build_sinks({specs!r})
+heavy = sorted({{m.split('.')[0] + '.' + m.split('.')[1] if '.' in m else m for m in sys.modules
+                if m.startswith(('azure.eventhub', 'azure.identity', 'opentelemetry', 'grpc'))}})
+print(','.join(heavy))
+"""
+
+
+def loaded_after(specs: list[str], env: dict[str, str] | None = None) -> set[str]:
+    import os
+
+    result = subprocess.run([sys.executable, "-c", PROBE.format(specs=specs)], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, **(env or {})}, check=True)
+    return {name for name in result.stdout.strip().split(",") if name}
+
+
+def test_heavy_libraries_load_only_for_the_sinks_that_need_them() -> None:
+    assert loaded_after(["stdout", "file:/tmp/forewarn-probe.jsonl"]) == set()
+    otlp = loaded_after(["otlp"])
+    assert "opentelemetry.sdk" in otlp and not any(m.startswith("azure") for m in otlp)
+
+
+def test_eventhubs_loads_only_azure() -> None:
+    probe = PROBE.replace("build_sinks({specs!r})", "from forewarn.sinks.eventhubs import EventHubsSink\n"
+                          "EventHubsSink(connection_string='Endpoint=sb://127.0.0.1:1;SharedAccessKeyName=a;"
+                          "SharedAccessKey=b;EntityPath=h;UseDevelopmentEmulator=true')")
+    result = subprocess.run([sys.executable, "-c", probe.format(specs=[])], capture_output=True, text=True,
+                            timeout=60, check=True)
+    loaded = set(result.stdout.strip().split(","))
+    assert "azure.eventhub" in loaded and not any(m.startswith(("opentelemetry", "grpc")) for m in loaded)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("kafka", "not a known sink; valid: stdout, file:PATH, otlp, eventhubs"),
+    ("file:", "needs a path"),
+    ("stdout:x", "not a known sink"),
+    ("eventhubs", "needs FOREWARN_EVENTHUBS_CONNECTION_STRING"),
+])
+def test_bad_specs_name_what_is_valid(spec: str, message: str) -> None:
+    with pytest.raises(SinkConfigError, match=message):
+        build_sink(spec, {})
