@@ -127,12 +127,14 @@ def steady_state(sim: Simulator, collector: Collector, seconds: float) -> dict[s
 
 
 def scrape(sim: Simulator, collector: Collector, events: int, scrapes: int) -> dict[str, Any]:
+    for event in sim.current()[1]:  # start from an empty document: exactly `events` events
+        sim.remove(event["EventId"])
     for i in range(events):
         sim.inject({"id": f"SCRAPE-{i}", "type": random.choice(["Reboot", "Redeploy", "Freeze"]), "notice": 900,
                     "description": "Host server is undergoing maintenance."})
     session = requests.Session()
     deadline = time.monotonic() + 10
-    while session.get(collector.url + "/metrics").text.count("azure_scheduled_event_info{") < events:
+    while session.get(collector.url + "/metrics").text.count("azure_scheduled_event_info{") != events:
         if time.monotonic() > deadline:
             raise RuntimeError("events not visible")
         time.sleep(0.1)

@@ -33,7 +33,7 @@ class DeliveryWorker:
     records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
 
     def __init__(self, sink: Sink, stores: StoreRef, metrics: Metrics, stop: threading.Event | None = None,
-                 backoff: Backoff | None = None, idle_refresh: float = 5.0) -> None:
+                 backoff: Backoff | None = None, idle_refresh: float = 30.0) -> None:
         self.sink = sink
         self._stores = stores
         self._metrics = metrics

@@ -43,6 +43,7 @@ class View:
     last_success: float | None = None
     backlogs: Mapping[str, Backlog] = field(default_factory=dict)
     store_writable: bool = True
+    status_since: Mapping[str, float] = field(default_factory=dict)
 
 
 class ViewHolder:
@@ -139,6 +140,10 @@ class EventsCollector(Collector):
         countdown = GaugeMetricFamily(f"{EVENT_PREFIX}_seconds_to_not_before",
                                       "Seconds from now until NotBefore (negative once passed).",
                                       labels=["event_id", "event_type"])
+        since = GaugeMetricFamily(f"{EVENT_PREFIX}_status_since_timestamp_seconds",
+                                  "When forewarn first saw the event in its current status (Unix time; reset "
+                                  "to the start time after a restart).",
+                                  labels=["event_id", "event_type", "event_status"])
         duration = GaugeMetricFamily(f"{EVENT_PREFIX}_duration_seconds",
                                      "DurationInSeconds of the event (-1 = unknown).",
                                      labels=["event_id", "event_type"])
@@ -158,9 +163,11 @@ class EventsCollector(Collector):
                 countdown.add_metric(ids, stamp - now)
             if event.duration_seconds is not None:
                 duration.add_metric(ids, event.duration_seconds)
+            if event.event_id in view.status_since:
+                since.add_metric([*ids, event.status], view.status_since[event.event_id])
             key = (event.event_type, event.status, _label(event.source))
             counts[key] = counts.get(key, 0) + 1
-        yield from (info, not_before, countdown, duration)
+        yield from (info, not_before, countdown, duration, since)
 
         aggregate = GaugeMetricFamily(PREFIX, "Events in the current document by type, status and source.",
                                       labels=["event_type", "event_status", "event_source"])

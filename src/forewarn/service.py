@@ -88,8 +88,11 @@ class Collector:
         self._next_compute = 0.0
         self._store_writable = store_writable
         self._next_store_retry = clock() + STORE_RETRY_SECONDS
-        self.metrics.views.update(vm=self.vm, store_writable=store_writable,
-                                  document=self.tracker.current)
+        self._status_since: dict[str, tuple[str, float]] = {}
+        if self.tracker.current is not None:
+            self._track_status(self.tracker.current, clock())
+        self.metrics.views.update(vm=self.vm, store_writable=store_writable, document=self.tracker.current,
+                                  status_since=self._since_view())
 
     @property
     def store(self) -> Store:
@@ -148,9 +151,13 @@ class Collector:
                 self._warned.add(warning)
                 log.warning("document: %s (event kept)", warning)
         changes = self.tracker.apply(document)
-        self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now)
         if changes:
+            self._track_status(document, now)
+            self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now,
+                                      status_since=self._since_view())
             self._report(document, changes, now)
+        else:
+            self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now)
         # Listeners see every good poll: approval timing depends on the clock, not only on changes.
         for listener in self.listeners:
             try:
@@ -158,6 +165,18 @@ class Collector:
             except Exception:
                 log.exception("change listener %s failed", type(listener).__name__)
         return changes
+
+    def _track_status(self, document: Document, now: float) -> None:
+        """Remember since when each event has had its current status (for the stuck-event alert)."""
+        previous = self._status_since
+        self._status_since = {
+            event.event_id: previous[event.event_id]
+            if event.event_id in previous and previous[event.event_id][0] == event.status else (event.status, now)
+            for event in document.events
+        }
+
+    def _since_view(self) -> dict[str, float]:
+        return {event_id: since for event_id, (_, since) in self._status_since.items()}
 
     def _report(self, document: Document, changes: Sequence[Change], now: float) -> None:
         observed_at = datetime.fromtimestamp(now, tz=timezone.utc)

@@ -139,6 +139,20 @@ class ImdsClient:
         session.mount("http://", adapter)
         session.mount("https://", adapter)
         self._session = session
+        self._prepared: dict[tuple[str, str, str], requests.PreparedRequest] = {}
+
+    def _prepare(self, method: str, path: str, params: dict[str, str], body: Any) -> requests.PreparedRequest:
+        """The request, prepared once per (method, path, query) when it has no body: polling sends the same
+        GET every second, and preparing it (URL parsing, header merging) was a third of a poll's CPU."""
+        if body is not None:
+            return self._session.prepare_request(
+                requests.Request(method, self.endpoint + path, params=params, json=body))
+        key = (method, path, repr(sorted(params.items())))
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = self._session.prepare_request(requests.Request(method, self.endpoint + path, params=params))
+            self._prepared[key] = prepared
+        return prepared.copy()
 
     def close(self) -> None:
         self._session.close()
@@ -149,8 +163,8 @@ class ImdsClient:
         started = time.monotonic()
         code = "error"
         try:
-            response = self._session.request(
-                method, self.endpoint + path, params=params, json=body,
+            response = self._session.send(
+                self._prepare(method, path, params, body),
                 timeout=(min(CONNECT_TIMEOUT, timeout), timeout), allow_redirects=False,
             )
             code = str(response.status_code)
