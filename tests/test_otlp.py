@@ -151,3 +151,44 @@ def test_missing_packages_or_bad_protocol_are_configuration_errors() -> None:
                              "--otlp-protocol", "carrier-pigeon", "--listen-address", "127.0.0.1:0"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "--otlp-protocol" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_grpc_receiver_down_mid_stream(simulator: Callable[..., SimulatorHandle],
+                                       collector: Callable[..., CollectorProcess]) -> None:
+    import requests
+
+    peer = GrpcReceiver()
+    port, received = peer.port, peer.received
+    sim = simulator("quiet")
+    proc = run_otlp(collector, sim, "grpc", peer)
+    requests.post(sim.url + "/admin/events", json={"type": "Reboot", "notice": 900, "id": "A"}, timeout=5)
+    wait_until(lambda: len(delivered_ids(peer)) == 1, timeout=20)
+    peer.stop()
+    requests.delete(sim.url + "/admin/events/A", timeout=5)
+    requests.post(sim.url + "/admin/events", json={"type": "Freeze", "notice": 900, "id": "B"}, timeout=5)
+    wait_until(lambda: len(proc.records()) == 3, timeout=10)
+    time.sleep(2)
+    back = GrpcReceiver(port=port, received=received)
+    try:
+        wait_until(lambda: len(set(delivered_ids(back))) == 3, timeout=60, message="the rest after the outage")
+        assert list(dict.fromkeys(delivered_ids(back))) == [r["id"] for r in proc.records()]
+    finally:
+        back.stop()
+
+
+def test_slow_receiver_delays_nothing_but_its_own_delivery(simulator: Callable[..., SimulatorHandle],
+                                                           collector: Callable[..., CollectorProcess]) -> None:
+    peer = HttpReceiverServer()
+    try:
+        peer.received.delay = 1.5
+        sim = simulator("cancelled-maintenance", speed=60)
+        proc = collector(sim.url, "--sink", "otlp", "--otlp-protocol", "http/protobuf", "--otlp-endpoint",
+                         peer.endpoint, env={"OTEL_EXPORTER_OTLP_TIMEOUT": "10"})
+        polls_before = sample(proc.metrics(), "azure_scheduled_events_imds_requests_total", method="GET", code="200")
+        wait_until(lambda: len(proc.records()) == 2, timeout=15)
+        wait_until(lambda: len(set(delivered_ids(peer))) == 2, timeout=30)
+        polls_after = sample(proc.metrics(), "azure_scheduled_events_imds_requests_total", method="GET", code="200")
+        assert polls_before is not None and polls_after is not None and polls_after - polls_before >= 5
+        assert list(dict.fromkeys(delivered_ids(peer))) == [r["id"] for r in proc.records()]
+    finally:
+        peer.stop()

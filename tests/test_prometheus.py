@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -15,20 +13,11 @@ import pytest
 import requests
 import yaml
 
-from conftest import free_port, wait_until
+from conftest import free_port, require_tool, wait_until
 
 ROOT = Path(__file__).parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "forewarn-alerts.yaml"
 pytestmark = pytest.mark.slow
-
-
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is missing in CI: scripts/test installs Debian's prometheus package")
-        pytest.skip("prometheus not installed (Debian package prometheus)")
-    return path
 
 
 class Stack:
@@ -49,7 +38,8 @@ class Stack:
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.prometheus = subprocess.Popen(
-            [prometheus_binary(), f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+            [require_tool("prometheus", "Debian package prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.prom_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.api = f"http://127.0.0.1:{self.prom_port}/api/v1"

@@ -165,16 +165,23 @@ def _client_for(args: argparse.Namespace) -> ImdsClient:
     return ImdsClient(endpoint, args.api_version, timeout=args.timeout, first_timeout=max(args.timeout, 120))
 
 
+class CommandFailed(Exception):
+    """A one-shot command could not do its job (exit 1); the message says why."""
+
+
+def _current_document(client: ImdsClient) -> Document:
+    try:
+        return with_retries(client.get_scheduled_events)
+    except ImdsError as exc:
+        raise CommandFailed(f"cannot read Scheduled Events from {client.endpoint}: {exc}") from None
+    except DocumentError as exc:
+        raise CommandFailed(f"IMDS reply is not a valid Scheduled Events document: {exc}") from None
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     client = _client_for(args)
     try:
-        document = with_retries(client.get_scheduled_events)
-    except ImdsError as exc:
-        print(f"forewarn: cannot read Scheduled Events from {client.endpoint}: {exc}", file=sys.stderr)
-        return 1
-    except DocumentError as exc:
-        print(f"forewarn: IMDS reply is not a valid Scheduled Events document: {exc}", file=sys.stderr)
-        return 1
+        document = _current_document(client)
     finally:
         client.close()
     if args.output == "json":
@@ -187,25 +194,18 @@ def cmd_events(args: argparse.Namespace) -> int:
 def cmd_approve(args: argparse.Namespace) -> int:
     client = _client_for(args)
     try:
-        document = with_retries(client.get_scheduled_events)
-        known = {event.event_id: event for event in document.events}
+        known = {event.event_id: event for event in _current_document(client).events}
         unknown = [event_id for event_id in args.event_ids if event_id not in known]
         if unknown:
             listed = ", ".join(known) or "none"
-            print(f"forewarn approve: not in the current document: {', '.join(unknown)} (current events: {listed})",
-                  file=sys.stderr)
-            return 1
+            raise CommandFailed(f"not in the current document: {', '.join(unknown)} (current events: {listed})")
         started = [event_id for event_id in args.event_ids if known[event_id].status != "Scheduled"]
         if started:
-            print(f"forewarn approve: already started, nothing to approve: {', '.join(started)}", file=sys.stderr)
-            return 1
-        with_retries(lambda: client.start_events(args.event_ids))
-    except ImdsError as exc:
-        print(f"forewarn approve: IMDS at {client.endpoint} failed: {exc}", file=sys.stderr)
-        return 1
-    except DocumentError as exc:
-        print(f"forewarn approve: IMDS reply is not a valid Scheduled Events document: {exc}", file=sys.stderr)
-        return 1
+            raise CommandFailed(f"already started, nothing to approve: {', '.join(started)}")
+        try:
+            with_retries(lambda: client.start_events(args.event_ids))
+        except ImdsError as exc:
+            raise CommandFailed(f"IMDS at {client.endpoint} refused the approval: {exc}") from None
     finally:
         client.close()
     for event_id in args.event_ids:
@@ -242,12 +242,12 @@ def cmd_policy(args: argparse.Namespace) -> int:
     else:
         client = _client_for(args)
         try:
-            document = with_retries(client.get_scheduled_events)
+            document = _current_document(client)
             if not vm_name:
-                vm_name = client.get_compute().name
-        except (ImdsError, DocumentError) as exc:
-            print(f"forewarn policy explain: cannot read Scheduled Events: {exc}", file=sys.stderr)
-            return 1
+                try:
+                    vm_name = client.get_compute().name
+                except (ImdsError, DocumentError) as exc:
+                    raise CommandFailed(f"cannot read this VM's name ({exc}); pass --vm-name") from None
         finally:
             client.close()
     now = datetime.now(timezone.utc).timestamp()
@@ -333,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"forewarn {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except CommandFailed as exc:
+        print(f"forewarn {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from forewarn import DEFAULT_API_VERSION, __version__
@@ -28,6 +29,8 @@ PREFIX = "azure_scheduled_events"
 EVENT_PREFIX = "azure_scheduled_event"
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
+
+_EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the very end
 
 # `_created` series double the exposition for no use in alerting; node_exporter has none either.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -105,7 +108,27 @@ class Metrics:
                 self.ended.labels(event_type, outcome)
             for result in APPROVAL_RESULTS:
                 self.approvals.labels(event_type, result)
-        r.register(EventsCollector(self.views, api_version, clock))
+        r.register(LiveCollector(self.views, api_version, clock))
+        self.document_registry = CollectorRegistry(auto_describe=True)
+        self.document_registry.register(DocumentCollector(self.views))
+        self._cache_lock = threading.Lock()
+        self._cache_key: tuple[Any, ...] = ()
+        self._cache_text = b""
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The whole exposition for an Accept header: the document families from a text cache that is
+        rebuilt only when the document, the VM or a status changes, then everything else, fresh."""
+        encoder, content_type = choose_encoder(accept)
+        view = self.views.view
+        key = (encoder, view.document, view.vm, view.status_since)
+        with self._cache_lock:
+            if len(key) != len(self._cache_key) or any(
+                    a is not b for a, b in zip(key, self._cache_key, strict=True)):
+                text = encoder(self.document_registry)
+                self._cache_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
+                self._cache_key = key
+            cached = self._cache_text
+        return cached + encoder(self.registry), content_type
 
     def add_sink(self, name: str) -> None:
         """Make a sink's series visible at zero before its first delivery."""
@@ -118,35 +141,29 @@ def _label(value: str | None) -> str:
     return value if value is not None else ""
 
 
-class EventsCollector(Collector):
-    """Builds the per-event and health families from the current View at every scrape."""
+class DocumentCollector(Collector):
+    """The families that change only when the document, the VM or an event's status does. Their text is
+    rendered once per such change (see `Metrics.render`), not once per scrape."""
 
-    def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
+    def __init__(self, views: ViewHolder) -> None:
         self._views = views
-        self._api_version = api_version
-        self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
         view = self._views.view
-        now = self._clock()
         events = view.document.events if view.document else ()
-
         info = GaugeMetricFamily(f"{EVENT_PREFIX}_info", "A scheduled event in the current document (1).",
                                  labels=["event_id", "event_type", "event_status", "event_source",
                                          "resource_type", "affects_this_vm", "description"])
         not_before = GaugeMetricFamily(f"{EVENT_PREFIX}_not_before_timestamp_seconds",
                                        "NotBefore as Unix time; absent while NotBefore is empty.",
                                        labels=["event_id", "event_type"])
-        countdown = GaugeMetricFamily(f"{EVENT_PREFIX}_seconds_to_not_before",
-                                      "Seconds from now until NotBefore (negative once passed).",
-                                      labels=["event_id", "event_type"])
+        duration = GaugeMetricFamily(f"{EVENT_PREFIX}_duration_seconds",
+                                     "DurationInSeconds of the event (-1 = unknown).",
+                                     labels=["event_id", "event_type"])
         since = GaugeMetricFamily(f"{EVENT_PREFIX}_status_since_timestamp_seconds",
                                   "When forewarn first saw the event in its current status (Unix time; reset "
                                   "to the start time after a restart).",
                                   labels=["event_id", "event_type", "event_status"])
-        duration = GaugeMetricFamily(f"{EVENT_PREFIX}_duration_seconds",
-                                     "DurationInSeconds of the event (-1 = unknown).",
-                                     labels=["event_id", "event_type"])
         counts: dict[tuple[str, str, str], int] = {
             (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
         }
@@ -158,23 +175,46 @@ class EventsCollector(Collector):
                 1,
             )
             if event.not_before is not None:
-                stamp = event.not_before.timestamp()
-                not_before.add_metric(ids, stamp)
-                countdown.add_metric(ids, stamp - now)
+                not_before.add_metric(ids, event.not_before.timestamp())
             if event.duration_seconds is not None:
                 duration.add_metric(ids, event.duration_seconds)
             if event.event_id in view.status_since:
                 since.add_metric([*ids, event.status], view.status_since[event.event_id])
             key = (event.event_type, event.status, _label(event.source))
             counts[key] = counts.get(key, 0) + 1
-        yield from (info, not_before, countdown, duration, since)
-
+        yield from (info, not_before, duration, since)
         aggregate = GaugeMetricFamily(PREFIX, "Events in the current document by type, status and source.",
                                       labels=["event_type", "event_status", "event_source"])
         for (event_type, status, source), count in sorted(counts.items()):
             aggregate.add_metric([event_type, status, source], count)
         yield aggregate
+        vm = view.vm
+        vm_info = GaugeMetricFamily(f"{PREFIX}_vm_info", "This VM's identity from instance metadata (1).",
+                                    labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
+                                            "subscription_id", "location", "zone"])
+        vm_info.add_metric([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
+                            vm.location, vm.zone], 1)
+        yield vm_info
 
+
+class LiveCollector(Collector):
+    """The families that depend on the scrape moment or on health, built at every scrape."""
+
+    def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
+        self._views = views
+        self._api_version = api_version
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._views.view
+        now = self._clock()
+        countdown = GaugeMetricFamily(f"{EVENT_PREFIX}_seconds_to_not_before",
+                                      "Seconds from now until NotBefore (negative once passed).",
+                                      labels=["event_id", "event_type"])
+        for event in view.document.events if view.document else ():
+            if event.not_before is not None:
+                countdown.add_metric([event.event_id, event.event_type], event.not_before.timestamp() - now)
+        yield countdown
         incarnation = GaugeMetricFamily(f"{PREFIX}_document_incarnation", "Last DocumentIncarnation seen.")
         if view.document is not None:
             incarnation.add_metric([], view.document.incarnation)
@@ -201,15 +241,7 @@ class EventsCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_state_writable",
                                 "1 if the state dir accepts writes, 0 while records are held in memory.",
                                 value=1 if view.store_writable else 0)
-
         build = GaugeMetricFamily(f"{PREFIX}_build_info", "forewarn build (1).",
                                   labels=["version", "api_version"])
         build.add_metric([__version__, self._api_version], 1)
         yield build
-        vm = view.vm
-        vm_info = GaugeMetricFamily(f"{PREFIX}_vm_info", "This VM's identity from instance metadata (1).",
-                                    labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
-                                            "subscription_id", "location", "zone"])
-        vm_info.add_metric([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
-                            vm.location, vm.zone], 1)
-        yield vm_info

@@ -341,7 +341,7 @@ def run_collector(settings: Settings) -> int:
 
     metrics = Metrics(api_version=settings.api_version)
     try:
-        server = MetricsServer(host, port, metrics.registry,
+        server = MetricsServer(host, port, metrics.render,
                                readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
     except OSError as exc:
         raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \

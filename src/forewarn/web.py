@@ -11,9 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
-
 log = logging.getLogger(__name__)
 
 _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
@@ -44,8 +41,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(200, encoder(self.server.registry), content_type)
+            body, content_type = self.server.render(self.headers.get("Accept", ""))
+            self._send(200, body, content_type)
         elif path == "/healthz":
             self._send(200, b"ok\n")
         elif path == "/readyz":
@@ -63,9 +60,9 @@ class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry,
+    def __init__(self, host: str, port: int, render: Callable[[str], tuple[bytes, str]],
                  readiness: Callable[[], tuple[bool, str]]) -> None:
-        self.registry = registry
+        self.render = render
         self.readiness = readiness
         if ":" in host:
             self.address_family = socket.AF_INET6

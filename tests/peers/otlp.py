@@ -68,11 +68,11 @@ class _Servicer(logs_service_pb2_grpc.LogsServiceServicer):
 
 
 class GrpcReceiver:
-    def __init__(self) -> None:
-        self.received = Received()
+    def __init__(self, port: int = 0, received: Received | None = None) -> None:
+        self.received = received or Received()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_Servicer(self.received), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
 
     @property

@@ -140,6 +140,7 @@ class ImdsClient:
         session.mount("https://", adapter)
         self._session = session
         self._prepared: dict[tuple[str, str, str], requests.PreparedRequest] = {}
+        self._last_reply: tuple[bytes, Document] | None = None
 
     def _prepare(self, method: str, path: str, params: dict[str, str], body: Any) -> requests.PreparedRequest:
         """The request, prepared once per (method, path, query) when it has no body: polling sends the same
@@ -193,7 +194,13 @@ class ImdsClient:
         timeout = self.timeout if self._enabled else max(self.timeout, self.first_timeout)
         response = self._request("GET", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, timeout)
         self._enabled = True
-        return parse_document(response.content)
+        body = response.content
+        # Most polls return the bytes of the previous one; documents are immutable, so reuse it.
+        if self._last_reply is not None and self._last_reply[0] == body:
+            return self._last_reply[1]
+        document = parse_document(body)
+        self._last_reply = (body, document)
+        return document
 
     def get_compute(self) -> VmInfo:
         response = self._request("GET", COMPUTE_PATH, {"api-version": COMPUTE_API_VERSION}, self.timeout)

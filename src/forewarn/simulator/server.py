@@ -6,7 +6,8 @@ StartRequests body. Admin endpoints (not part of IMDS) live under /admin:
     GET  /admin/state               scenario time, document, approvals received, transitions
     POST /admin/events              inject an event (scenario-file fields; `at` = seconds from now)
     DELETE /admin/events/<id>       remove an event now
-    POST /admin/faults              {"next": ["500", "reset"], "rates": {"429": 0.1}, "latency": 0.2}
+    POST /admin/faults              {"next": ["500", "reset"], "next_post": ["500"], "rates": {"429": 0.1},
+                                     "latency": 0.2}
 """
 
 from __future__ import annotations
@@ -85,14 +86,14 @@ class _Handler(BaseHTTPRequestHandler):
         sim.requests[f"{self.command} {path}"] += 1
         return version
 
-    def _apply_fault(self, is_first: bool) -> bool:
+    def _apply_fault(self, is_first: bool, post: bool = False) -> bool:
         """Inject the configured faults; True when the request has been answered (or dropped)."""
         faults = self.server.simulator.faults
         if is_first and faults.slow_first:
             time.sleep(faults.slow_first)
         if faults.latency:
             time.sleep(faults.latency)
-        kind = faults.draw()
+        kind = faults.draw(post)
         if kind is None:
             return False
         if kind == "reset":
@@ -139,7 +140,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = ValueError
         if path == SCHEDULED_EVENTS:
-            if self._imds_checks(path, API_VERSIONS) is None or self._apply_fault(False):
+            if self._imds_checks(path, API_VERSIONS) is None or self._apply_fault(False, post=True):
                 return
             ids = _start_request_ids(body)
             if ids is None:
@@ -199,12 +200,15 @@ def _apply_fault_settings(sim: Simulator, body: Any) -> str | None:
         return "body must be a JSON object"
     faults = sim.faults
     nxt = body.get("next", [])
+    nxt_post = body.get("next_post", [])
     rates = body.get("rates", {})
-    if not isinstance(nxt, list) or any(kind not in FAULT_KINDS for kind in nxt):
-        return f"next must be a list of fault kinds ({', '.join(FAULT_KINDS)})"
+    for name, kinds in (("next", nxt), ("next_post", nxt_post)):
+        if not isinstance(kinds, list) or any(kind not in FAULT_KINDS for kind in kinds):
+            return f"{name} must be a list of fault kinds ({', '.join(FAULT_KINDS)})"
     if not isinstance(rates, dict) or any(k not in FAULT_KINDS or not 0 <= v <= 1 for k, v in rates.items()):
         return "rates must map fault kinds to probabilities between 0 and 1"
     faults.queue.extend(nxt)
+    faults.post_queue.extend(nxt_post)
     if "rates" in body:
         faults.rates = {str(k): float(v) for k, v in rates.items()}
     if "latency" in body:

@@ -36,12 +36,15 @@ class Faults:
     latency: float = 0.0
     slow_first: float = 0.0
     queue: collections.deque[str] = field(default_factory=collections.deque)
+    post_queue: collections.deque[str] = field(default_factory=collections.deque)
     seed: int | None = None
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def draw(self) -> str | None:
+    def draw(self, post: bool = False) -> str | None:
+        if post and self.post_queue:
+            return self.post_queue.popleft()
         if self.queue:
             return self.queue.popleft()
         for kind, rate in self.rates.items():

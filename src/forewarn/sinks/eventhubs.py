@@ -74,9 +74,10 @@ class EventHubsSink:
         elif namespace and hub:
             from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
 
-            credential: Any = ManagedIdentityCredential(client_id=client_id) if client_id else DefaultAzureCredential()
+            self.credential: Any = (ManagedIdentityCredential(client_id=client_id) if client_id
+                                    else DefaultAzureCredential())
             self._client = EventHubProducerClient(fully_qualified_namespace=namespace, eventhub_name=hub,
-                                                  credential=credential, **options)
+                                                  credential=self.credential, **options)
             self.target = f"{namespace}/{hub}"
         else:
             raise SinkConfigError(
