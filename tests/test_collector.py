@@ -156,3 +156,33 @@ def test_sink_outage_never_delays_polling(tmp_path: Path, simulator: Callable[..
                    message="three records waiting for the broken sink")
     finally:
         stop.set()
+
+
+def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    sim = simulator("quiet", rate_limit=None)
+    metrics = Metrics()
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("x")
+    sink = FileSink(str(blocked / "records.jsonl"))  # a sink that never accepts: everything stays waiting
+    metrics.add_sink(sink.name)
+    store, _ = service.open_store(tmp_path / "state", [sink.name], max_records=3)
+    stores = StoreRef(store)
+    worker = DeliveryWorker(sink, stores, metrics, idle_refresh=0.1)
+    worker.start()
+    collector = service.Collector(ImdsClient(sim.url), metrics, store, tmp_path / "state", [worker], stores=stores,
+                                  poll_interval=0.2)
+    try:
+        for event_id in ("A", "B", "C", "D", "E"):
+            add_event(sim, event_id)
+            collector.poll_once()
+        assert metrics.outbox_dropped._value.get() == 2
+        assert "outbox full (3 records): dropped the 1 oldest" in caplog.text
+        assert [record.subject for _, record in store.fetch(sink.name, 10)] == ["C", "D", "E"]
+        backlog = wait_until(lambda: metrics.views.view.backlogs[sink.name].records == 3
+                             and metrics.views.view.backlogs[sink.name], timeout=10)
+        assert backlog.oldest_created is not None
+        text = metrics.render()[0].decode()
+        assert f'azure_scheduled_events_outbox_oldest_record_age_seconds{{sink="{sink.name}"}}' in text
+    finally:
+        worker.stop(drain_timeout=0.1)
