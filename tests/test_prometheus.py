@@ -84,6 +84,44 @@ def test_prometheus_scrapes_forewarn_and_the_imminent_and_started_alerts_fire(st
     assert "ForewarnIMDSFailing" not in stack.firing() and "ForewarnDown" not in stack.firing()
 
 
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    import json
+
+    out = []
+    for path in sorted((ROOT / "dashboards").glob("*.json")):
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                out.append((path.name, panel["title"], target["expr"]))
+    return out
+
+
+DASHBOARD_SCENARIO = {
+    "vm_name": "vm-0", "vms": ["vm-0", "vm-1"],
+    "events": [
+        {"at": 0, "type": "Reboot", "notice": 3600, "resources": ["vm-0"], "description": "Host maintenance."},
+        {"at": 0, "type": "Reboot", "notice": None, "run_for": 3600, "resources": ["vm-0", "vm-1"],
+         "description": "Host failure."},
+    ],
+}
+
+
+def test_every_dashboard_query_returns_data_during_a_scenario(tmp_path: Path) -> None:
+    """Template variables at their 'All' values; $__rate_interval as Grafana would set it for 1 s scrapes."""
+    scenario = tmp_path / "dashboards.yaml"
+    scenario.write_text(yaml.safe_dump(DASHBOARD_SCENARIO))
+    running = Stack(tmp_path, str(scenario), speed=1)
+    try:
+        wait_until(lambda: len(running.query("azure_scheduled_event_info")) == 2, timeout=30)
+        time.sleep(6)  # a few scrapes, so that rates have two points
+        for board, title, expr in dashboard_queries():
+            concrete = (expr.replace("$vm_scale_set", ".*").replace("$location", ".*").replace("$vm", ".*")
+                        .replace("$__rate_interval", "5s"))
+            assert running.query(concrete), f"{board} / {title}: no data for {concrete}"
+    finally:
+        running.stop()
+
+
 def test_every_alert_expression_evaluates_against_real_data(stack: Stack) -> None:
     wait_until(lambda: stack.query("azure_scheduled_event_info"), timeout=30)
     groups = requests.get(f"{stack.api}/rules", timeout=5).json()["data"]["groups"]

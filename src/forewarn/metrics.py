@@ -29,6 +29,7 @@ PREFIX = "azure_scheduled_events"
 EVENT_PREFIX = "azure_scheduled_event"
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
+HOOK_RESULTS = ("success", "failure", "timeout", "error")
 
 _EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the very end
 
@@ -101,6 +102,9 @@ class Metrics:
                                     "(disk full, read-only state dir).", registry=r)
         self.hook_runs = Counter(f"{PREFIX}_hook_runs", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=r)
+        for hook in ("prepare", "recover"):
+            for result in HOOK_RESULTS:
+                self.hook_runs.labels(hook, result)
         for event_type in EVENT_TYPES:
             for source in EVENT_SOURCES:
                 self.observed.labels(event_type, source)

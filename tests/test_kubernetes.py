@@ -1,0 +1,108 @@
+"""The Kubernetes deploy files: kustomize builds, strict schema validation, and the security settings."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import require_promtool, require_tool
+
+ROOT = Path(__file__).parent.parent
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+K8S_VERSION = "1.32.0"
+
+
+def build(target: str) -> list[dict[str, Any]]:
+    kubectl = require_tool("kubectl", "Debian package kubectl")
+    result = subprocess.run([kubectl, "kustomize", str(KUSTOMIZE / target)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("target", ["base", "overlays/aks"])
+def test_every_core_object_validates_strictly(target: str) -> None:
+    import kubernetes_validate
+
+    docs = build(target)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["Namespace", "ServiceAccount", "ConfigMap", "Service", "PriorityClass", "DaemonSet",
+                            "NetworkPolicy", "ServiceMonitor", "PrometheusRule"])
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # checked below: their CRD schemas are not available offline
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_daemonset_is_locked_down() -> None:
+    docs = build("base")
+    pod = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    security = container["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 65532
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert pod["automountServiceAccountToken"] is False
+    assert {"operator": "Exists"} in pod["tolerations"]
+    assert pod["priorityClassName"] == by_kind(docs, "PriorityClass")["metadata"]["name"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert env["FOREWARN_STATE_DIR"]["value"] in mounts
+    assert by_kind(docs, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_network_policy_allows_imds_and_dns() -> None:
+    egress = by_kind(build("base"), "NetworkPolicy")["spec"]["egress"]
+    imds = [rule for rule in egress if rule.get("to") == [{"ipBlock": {"cidr": "169.254.169.254/32"}}]]
+    assert imds and imds[0]["ports"] == [{"port": 80, "protocol": "TCP"}]
+    assert any({"port": 53, "protocol": "UDP"} in rule.get("ports", []) for rule in egress)
+
+
+def test_monitoring_objects_match_the_service_and_the_rule_file(tmp_path: Path) -> None:
+    docs = build("base")
+    service, monitor = by_kind(docs, "Service"), by_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    ports = {port["name"] for port in service["spec"]["ports"]}
+    assert {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]} <= ports
+    # jobLabel makes job="forewarn", which the alert rules select on
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "forewarn"
+    rule = by_kind(docs, "PrometheusRule")
+    shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "forewarn-alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == shipped["groups"]
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = subprocess.run([require_promtool(), "check", "rules", str(rules_file)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_policy_config_map_is_a_valid_policy(tmp_path: Path) -> None:
+    from forewarn.policy import parse_policy
+
+    config_map = by_kind(build("base"), "ConfigMap")
+    assert parse_policy(config_map["data"]["policy.yaml"]).rules
+
+
+def test_aks_overlay_reads_the_event_hubs_secret_from_a_file() -> None:
+    pod = by_kind(build("overlays/aks"), "DaemonSet")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["FOREWARN_SINK"] == "stdout,eventhubs"
+    path = env["FOREWARN_EVENTHUBS_CONNECTION_STRING_FILE"]
+    assert "FOREWARN_EVENTHUBS_CONNECTION_STRING" not in env, "never the secret itself in the pod spec"
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert path.startswith(mounts["eventhubs"])
+    assert {"name": "eventhubs", "secret": {"secretName": "forewarn-eventhubs", "defaultMode": 0o440}} in pod["volumes"]
