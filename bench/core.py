@@ -15,16 +15,12 @@ Results are printed and written to bench/results/core.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +28,9 @@ import requests
 
 from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 
+from common import free_port, header, write_results
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -159,11 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     changes, steady, scrapes = (20, 20, 300) if args.quick else (200, 60, 2000)
     random.seed(7)
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-    }
+    results: dict[str, Any] = header()
     with tempfile.TemporaryDirectory() as tmp:
         sim = Simulator(load_scenario("quiet"))
         server = SimulatorServer(sim).serve_in_background()
@@ -175,10 +163,7 @@ def main() -> None:
         finally:
             collector.stop()
             server.stop()
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "core.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results("core", results)
 
 
 if __name__ == "__main__":

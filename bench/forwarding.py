@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.store import DB_FILE, Store
 from forewarn.tracker import diff_documents
 
+from common import header, write_results
 from peers.amqp import AmqpPeer
 from peers.otlp import GrpcReceiver, HttpReceiverServer
 
@@ -167,20 +167,13 @@ def main() -> None:
     args = parser.parse_args()
     sim = Simulator(load_scenario("tour"), speed=20)
     server = SimulatorServer(sim).serve_in_background()
-    results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-    }
+    results: dict[str, Any] = header()
     try:
         results["drain"] = drain(server.url, args.records)
         results["memory"] = memory(server.url)
     finally:
         server.stop()
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "forwarding.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results("forwarding", results)
 
 
 if __name__ == "__main__":

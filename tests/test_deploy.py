@@ -39,3 +39,48 @@ def test_unit_is_hardened(tmp_path: Path) -> None:
     score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
     assert score is not None, result.stdout + result.stderr
     assert float(score.group(1)) <= 2.0, "systemd rates the unit's exposure as low"
+
+
+CLOUD_INIT = Path(__file__).parent.parent / "deploy" / "cloud-init" / "scale-set.yaml"
+
+
+def test_cloud_init_example_is_valid_and_installs_the_same_unit() -> None:
+    import yaml
+
+    tool = require_tool("cloud-init", "Debian package cloud-init")
+    result = subprocess.run([tool, "schema", "--config-file", str(CLOUD_INIT)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "Valid cloud-config" in result.stdout, result.stdout + result.stderr
+    config = yaml.safe_load(CLOUD_INIT.read_text())
+    files = {f["path"]: f["content"] for f in config["write_files"]}
+    assert files["/etc/systemd/system/forewarn.service"] == UNIT.read_text()
+    assert ["systemctl", "enable", "--now", "forewarn.service"] in config["runcmd"]
+    install = next(cmd for cmd in config["runcmd"] if "install" in cmd)
+    assert install[0] == "/opt/forewarn/bin/pip" and "ExecStart=/opt/forewarn/bin/forewarn run" in UNIT.read_text()
+
+
+POSIX_ONLY = {"geteuid", "getuid", "getgid", "fork", "setsid", "killpg", "getpwnam", "SIGHUP", "SIGKILL",
+              "SIGUSR1", "SIGUSR2", "SIGALRM", "SO_LINGER"}
+POSIX_MODULES = {"fcntl", "pwd", "grp", "resource", "termios"}
+
+
+def test_the_agent_avoids_posix_only_calls_outside_guards() -> None:
+    """The collector must run on Windows: POSIX-only names appear only behind a guard on the same line."""
+    import ast
+
+    src = Path(__file__).parent.parent / "src" / "forewarn"
+    findings = []
+    for path in src.rglob("*.py"):
+        if "simulator" in path.parts:
+            continue  # a test and demo tool, not the agent
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in POSIX_ONLY:
+                line = lines[node.lineno - 1]
+                if "hasattr(" not in line and 'os.name == "posix"' not in line:
+                    findings.append(f"{path.name}:{node.lineno}: {node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                findings += [f"{path.name}:{node.lineno}: import {name}" for name in names
+                             if name.split(".")[0] in POSIX_MODULES]
+    assert findings == []

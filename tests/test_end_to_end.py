@@ -45,7 +45,7 @@ class Case:
 
 LIFECYCLE = [("added", "Scheduled", None), ("updated", "Started", None), ("removed", "Started", "completed")]
 CASES = [
-    Case("live-migration", 20, LIFECYCLE, approve=True),
+    Case("live-migration", 10, LIFECYCLE, approve=True),  # Started lasts 15 s / 10: several polls
     Case("user-reboot", 100, LIFECYCLE, approve=True),
     Case("user-redeploy", 200, LIFECYCLE, approve=True),
     Case("platform-reboot", 200, LIFECYCLE, approve=True),

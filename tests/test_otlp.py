@@ -72,7 +72,7 @@ def test_refusing_receiver_gets_everything_in_order_once_it_recovers(
         collector: Callable[..., CollectorProcess]) -> None:
     protocol, peer = receiver
     peer.received.fail = True
-    sim = simulator("live-migration", speed=60)
+    sim = simulator("live-migration", speed=10)  # approved at once; Started lasts 1.5 s, several polls
     proc = run_otlp(collector, sim, protocol, peer)
     wait_until(lambda: len(proc.records()) == 1, timeout=10)
     requests_post = __import__("requests").post

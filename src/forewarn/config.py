@@ -22,6 +22,7 @@ import yaml
 from forewarn import DEFAULT_API_VERSION
 from forewarn.imds.client import DEFAULT_ENDPOINT
 from forewarn.imds.document import API_VERSIONS
+from forewarn.yamlerrors import yaml_problem
 
 ENV_PREFIX = "FOREWARN_"
 DEFAULT_LISTEN = ":9465"
@@ -245,9 +246,9 @@ def _load_file(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"--config {path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        line, column, problem = yaml_problem(exc)
+        where = f" line {line}, column {column}" if line else ""
+        raise ConfigError(f"--config {path}:{where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

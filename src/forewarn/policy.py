@@ -27,6 +27,7 @@ import jsonschema
 import yaml
 
 from forewarn.imds.document import Event
+from forewarn.yamlerrors import yaml_problem
 
 DEFAULT_IMPACTFUL = ("Reboot", "Redeploy", "Preempt", "Terminate")
 DEFAULT_STAGGER = 60.0
@@ -187,9 +188,8 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise PolicyError(f"{source}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        line, _, problem = yaml_problem(exc)
+        raise PolicyError(f"{source}{f':{line}' if line else ''}: not valid YAML ({problem})") from None
     if data is None:
         data = {}
     validator = jsonschema.Draft202012Validator(_schema())
