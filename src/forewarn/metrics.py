@@ -25,8 +25,6 @@ from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, D
 from forewarn.imds.instance import VmInfo
 from forewarn.store import Backlog
 
-PREFIX = "azure_scheduled_events"
-EVENT_PREFIX = "azure_scheduled_event"
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
 HOOK_RESULTS = ("success", "failure", "timeout", "error")
@@ -77,30 +75,40 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.views = ViewHolder()
         r = self.registry
-        self.observed = Counter(f"{PREFIX}_observed", "Distinct scheduled events first seen.",
-                                ["event_type", "event_source"], registry=r)
-        self.ended = Counter(f"{PREFIX}_ended", "Scheduled events that left the document, by outcome.",
-                             ["event_type", "outcome"], registry=r)
-        self.approvals = Counter(f"{PREFIX}_approvals", "Approval decisions carried out.",
-                                 ["event_type", "result"], registry=r)
-        self.imds_requests = Counter(f"{PREFIX}_imds_requests", "IMDS requests by method and HTTP status "
-                                     "(code=error for transport failures).", ["method", "code"], registry=r)
+        self.observed = Counter(
+            "azure_scheduled_events_observed_total", "Distinct scheduled events first seen.",
+            ["event_type", "event_source"], registry=r)
+        self.ended = Counter(
+            "azure_scheduled_events_ended_total", "Scheduled events that left the document, by outcome.",
+            ["event_type", "outcome"], registry=r)
+        self.approvals = Counter(
+            "azure_scheduled_events_approvals_total", "Approval decisions carried out.",
+            ["event_type", "result"], registry=r)
+        self.imds_requests = Counter(
+            "azure_scheduled_events_imds_requests_total",
+            "IMDS requests by method and HTTP status (code=error for transport failures).",
+            ["method", "code"], registry=r)
         self.imds_duration = Histogram(
-            f"{PREFIX}_imds_request_duration_seconds", "IMDS request latency.", ["method"], registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
-        )
-        self.document_errors = Counter(f"{PREFIX}_document_errors", "IMDS replies that were not a valid "
-                                       "Scheduled Events document.", registry=r)
-        self.document_warnings = Counter(f"{PREFIX}_document_warnings", "Event fields the tolerant parser "
-                                         "could not read (the event was kept).", registry=r)
-        self.records = Counter(f"{PREFIX}_records", "Records delivered, by sink.", ["sink"], registry=r)
-        self.record_failures = Counter(f"{PREFIX}_record_failures", "Failed delivery attempts, by sink.",
-                                       ["sink"], registry=r)
-        self.outbox_dropped = Counter(f"{PREFIX}_outbox_dropped_records", "Records dropped because the "
-                                      "outbox was full (oldest first).", registry=r)
-        self.store_errors = Counter(f"{PREFIX}_state_write_errors", "Failed writes of state or outbox "
-                                    "(disk full, read-only state dir).", registry=r)
-        self.hook_runs = Counter(f"{PREFIX}_hook_runs", "Prepare and recover hook runs by result.",
+            "azure_scheduled_events_imds_request_duration_seconds", "IMDS request latency.", ["method"],
+            registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120))
+        self.document_errors = Counter(
+            "azure_scheduled_events_document_errors_total",
+            "IMDS replies that were not a valid Scheduled Events document.", registry=r)
+        self.document_warnings = Counter(
+            "azure_scheduled_events_document_warnings_total",
+            "Event fields the tolerant parser could not read (the event was kept).", registry=r)
+        self.records = Counter(
+            "azure_scheduled_events_records_total", "Records delivered, by sink.", ["sink"], registry=r)
+        self.record_failures = Counter(
+            "azure_scheduled_events_record_failures_total", "Failed delivery attempts, by sink.", ["sink"],
+            registry=r)
+        self.outbox_dropped = Counter(
+            "azure_scheduled_events_outbox_dropped_records_total",
+            "Records dropped because the outbox was full (oldest first).", registry=r)
+        self.store_errors = Counter(
+            "azure_scheduled_events_state_write_errors_total",
+            "Failed writes of state or outbox (disk full, read-only state dir).", registry=r)
+        self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=r)
         for hook in ("prepare", "recover"):
             for result in HOOK_RESULTS:
@@ -155,16 +163,16 @@ class DocumentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         view = self._views.view
         events = view.document.events if view.document else ()
-        info = GaugeMetricFamily(f"{EVENT_PREFIX}_info", "A scheduled event in the current document (1).",
+        info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event in the current document (1).",
                                  labels=["event_id", "event_type", "event_status", "event_source",
                                          "resource_type", "affects_this_vm", "description"])
-        not_before = GaugeMetricFamily(f"{EVENT_PREFIX}_not_before_timestamp_seconds",
+        not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
                                        "NotBefore as Unix time; absent while NotBefore is empty.",
                                        labels=["event_id", "event_type"])
-        duration = GaugeMetricFamily(f"{EVENT_PREFIX}_duration_seconds",
+        duration = GaugeMetricFamily("azure_scheduled_event_duration_seconds",
                                      "DurationInSeconds of the event (-1 = unknown).",
                                      labels=["event_id", "event_type"])
-        since = GaugeMetricFamily(f"{EVENT_PREFIX}_status_since_timestamp_seconds",
+        since = GaugeMetricFamily("azure_scheduled_event_status_since_timestamp_seconds",
                                   "When forewarn first saw the event in its current status (Unix time; reset "
                                   "to the start time after a restart).",
                                   labels=["event_id", "event_type", "event_status"])
@@ -187,13 +195,14 @@ class DocumentCollector(Collector):
             key = (event.event_type, event.status, _label(event.source))
             counts[key] = counts.get(key, 0) + 1
         yield from (info, not_before, duration, since)
-        aggregate = GaugeMetricFamily(PREFIX, "Events in the current document by type, status and source.",
+        aggregate = GaugeMetricFamily("azure_scheduled_events",
+                                      "Events in the current document by type, status and source.",
                                       labels=["event_type", "event_status", "event_source"])
         for (event_type, status, source), count in sorted(counts.items()):
             aggregate.add_metric([event_type, status, source], count)
         yield aggregate
         vm = view.vm
-        vm_info = GaugeMetricFamily(f"{PREFIX}_vm_info", "This VM's identity from instance metadata (1).",
+        vm_info = GaugeMetricFamily("azure_scheduled_events_vm_info", "This VM's identity from instance metadata (1).",
                                     labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
                                             "subscription_id", "location", "zone"])
         vm_info.add_metric([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
@@ -212,28 +221,28 @@ class LiveCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         view = self._views.view
         now = self._clock()
-        countdown = GaugeMetricFamily(f"{EVENT_PREFIX}_seconds_to_not_before",
+        countdown = GaugeMetricFamily("azure_scheduled_event_seconds_to_not_before",
                                       "Seconds from now until NotBefore (negative once passed).",
                                       labels=["event_id", "event_type"])
         for event in view.document.events if view.document else ():
             if event.not_before is not None:
                 countdown.add_metric([event.event_id, event.event_type], event.not_before.timestamp() - now)
         yield countdown
-        incarnation = GaugeMetricFamily(f"{PREFIX}_document_incarnation", "Last DocumentIncarnation seen.")
+        incarnation = GaugeMetricFamily("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
         if view.document is not None:
             incarnation.add_metric([], view.document.incarnation)
         yield incarnation
-        yield GaugeMetricFamily(f"{PREFIX}_imds_up", "1 if the last IMDS poll succeeded, else 0.",
+        yield GaugeMetricFamily("azure_scheduled_events_imds_up", "1 if the last IMDS poll succeeded, else 0.",
                                 value=1 if view.imds_up else 0)
-        last = GaugeMetricFamily(f"{PREFIX}_imds_last_success_timestamp_seconds",
+        last = GaugeMetricFamily("azure_scheduled_events_imds_last_success_timestamp_seconds",
                                  "Unix time of the last successful poll.")
         if view.last_success is not None:
             last.add_metric([], view.last_success)
         yield last
 
-        outbox = GaugeMetricFamily(f"{PREFIX}_outbox_records", "Records waiting for delivery, by sink.",
+        outbox = GaugeMetricFamily("azure_scheduled_events_outbox_records", "Records waiting for delivery, by sink.",
                                    labels=["sink"])
-        oldest = GaugeMetricFamily(f"{PREFIX}_outbox_oldest_record_age_seconds",
+        oldest = GaugeMetricFamily("azure_scheduled_events_outbox_oldest_record_age_seconds",
                                    "Age of the oldest record waiting for the sink (0 when none).",
                                    labels=["sink"])
         for sink, backlog in sorted(view.backlogs.items()):
@@ -242,10 +251,10 @@ class LiveCollector(Collector):
             oldest.add_metric([sink], max(age, 0.0))
         yield outbox
         yield oldest
-        yield GaugeMetricFamily(f"{PREFIX}_state_writable",
+        yield GaugeMetricFamily("azure_scheduled_events_state_writable",
                                 "1 if the state dir accepts writes, 0 while records are held in memory.",
                                 value=1 if view.store_writable else 0)
-        build = GaugeMetricFamily(f"{PREFIX}_build_info", "forewarn build (1).",
+        build = GaugeMetricFamily("azure_scheduled_events_build_info", "forewarn build (1).",
                                   labels=["version", "api_version"])
         build.add_metric([__version__, self._api_version], 1)
         yield build
