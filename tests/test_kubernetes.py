@@ -95,6 +95,8 @@ def test_policy_config_map_is_a_valid_policy(tmp_path: Path) -> None:
 
     config_map = by_kind(build("base"), "ConfigMap")
     assert parse_policy(config_map["data"]["policy.yaml"]).rules
+    # the shipped default is the documented sample behaviour, kept identical to the tested example
+    assert config_map["data"]["policy.yaml"] == (ROOT / "examples" / "policies" / "docs-sample.yaml").read_text()
 
 
 def test_aks_overlay_reads_the_event_hubs_secret_from_a_file() -> None:
