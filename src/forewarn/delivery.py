@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from forewarn.imds.client import Backoff
 from forewarn.logs import StateLog
@@ -103,5 +102,5 @@ class DeliveryWorker:
             except StoreError as exc:
                 # Delivered but not remembered: the batch will be sent again (same record ids).
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
-                time.sleep(0.5)
+                self._stop.wait(0.5)
             self._publish_backlog(store)

@@ -35,10 +35,6 @@ class Record:
     time: str
     data: Mapping[str, Any] = field(hash=False)
 
-    @property
-    def change(self) -> str:
-        return str(self.data["change"])
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "specversion": SPEC_VERSION,

@@ -86,14 +86,6 @@ class Document:
     raw: Mapping[str, Any] = field(default_factory=dict, hash=False, repr=False, compare=False)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
-    def event(self, event_id: str) -> Event | None:
-        for event in self.events:
-            if event.event_id == event_id:
-                return event
-        return None
-
-
-EMPTY_DOCUMENT = Document(incarnation=0, events=(), raw={"DocumentIncarnation": 0, "Events": []})
 
 _ISO_Z = re.compile(r"Z$", re.IGNORECASE)
 

@@ -75,7 +75,7 @@ def _number(value: Any, where: str, allow_none: bool = False) -> float | None:
     return float(value)
 
 
-def _parse_event(raw: Any, index: int, scenario: str, vms: tuple[str, ...]) -> EventSpec:
+def parse_event(raw: Any, index: int, scenario: str, vms: tuple[str, ...]) -> EventSpec:
     where = f"events[{index}]"
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"{where} must be a mapping")
@@ -132,7 +132,7 @@ def parse_scenario(raw: Any, default_name: str = "custom") -> Scenario:
         raise ScenarioError("events must be a list")
     vms = tuple(vms_raw)
     loop = _number(raw.get("loop"), "loop", allow_none=True)
-    events = tuple(_parse_event(item, i, name, vms) for i, item in enumerate(events_raw))
+    events = tuple(parse_event(item, i, name, vms) for i, item in enumerate(events_raw))
     if loop is not None:
         longest = max((_ends_at(e) for e in events), default=0.0)
         if loop < longest:

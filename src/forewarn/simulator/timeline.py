@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from forewarn.imds.document import API_VERSIONS, field_in_version, format_not_before, type_in_version
-from forewarn.simulator.scenarios import EventSpec, Scenario, _parse_event
+from forewarn.simulator.scenarios import EventSpec, Scenario, parse_event
 
 #: Scenario seconds between an approval and the event starting (IMDS starts approved events promptly,
 #: but they may wait briefly for other tenants on the host).
@@ -269,7 +269,7 @@ class Simulator:
             fields = dict(raw)
             offset = float(fields.pop("at", 0))
             fields.setdefault("id", str(uuid.uuid4()).upper())
-            spec = _parse_event(fields, index, "injected", self.scenario.vms or (self.scenario.vm_name,))
+            spec = parse_event(fields, index, "injected", self.scenario.vms or (self.scenario.vm_name,))
             self._injected.append(_Live(spec, at=now + offset))
             return spec.event_id
 
