@@ -74,6 +74,12 @@ class Collector:
         self.workers = list(workers)
         self.vm_name = vm_name
         self.vm = VmInfo().with_name(vm_name)
+        if poll_interval < client.shortest_poll_interval:
+            # Polls leave one request per window to approvals and instance metadata; closer polls would
+            # queue on the rate limiter in bursts, so space them evenly at the fastest sustainable pace.
+            log.info("polling every %.3g s rather than %g s: IMDS allows 5 requests/s and one is kept for "
+                     "approvals", client.shortest_poll_interval, poll_interval)
+            poll_interval = client.shortest_poll_interval
         self.poll_interval = poll_interval
         self.backoff = Backoff(base=poll_interval, cap=max(max_backoff, poll_interval))
         self.compute_refresh = compute_refresh
@@ -278,10 +284,14 @@ class Collector:
         """Poll at a steady cadence until `stop` is set."""
         next_poll = time.monotonic()
         while not stop.is_set():
+            started = time.monotonic()
             delay = self.poll_once()
-            next_poll = max(next_poll + delay, time.monotonic())
-            if delay != self.poll_interval:
-                next_poll = time.monotonic() + delay
+            finished = time.monotonic()
+            next_poll = max(next_poll + delay, finished)
+            if delay != self.poll_interval or finished - started > delay / 2:
+                # A retry, or a poll that took long (a slow reply, a wait for the request budget): count
+                # the next interval from now, rather than catching up with a poll right after this one.
+                next_poll = finished + delay
             stop.wait(max(0.0, next_poll - time.monotonic()))
 
 

@@ -52,6 +52,7 @@ class Received:
 
     def __init__(self) -> None:
         self.messages: list[Message] = []
+        self.times: list[float] = []  # time.monotonic() of each message's arrival, for the benchmarks
         self.tokens = 0
         self.management_reads = 0
         self.reject = False
@@ -184,8 +185,10 @@ class _Connection:
                 outcome = Rejected(error=None)
             else:
                 inner = [decode_payload(memoryview(bytes(d))) for d in (message.data or [])]
+                accepted = inner if f[3] == BATCH_FORMAT else [message]
                 with received.lock:
-                    received.messages.extend(inner if f[3] == BATCH_FORMAT else [message])
+                    received.messages.extend(accepted)
+                    received.times.extend([time.monotonic()] * len(accepted))
                 outcome = Accepted()
         if f[1] is not None and not f[4]:
             self.send(channel, P.DispositionFrame(role=True, first=f[1], last=f[1], settled=True, state=outcome,

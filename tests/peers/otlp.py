@@ -21,6 +21,7 @@ class Received:
 
     def __init__(self) -> None:
         self.requests: list[logs_service_pb2.ExportLogsServiceRequest] = []
+        self.times: list[float] = []  # time.monotonic() of each accepted request, for the benchmarks
         self.fail = False
         self.delay = 0.0
         self.lock = threading.Lock()
@@ -64,6 +65,7 @@ class _Servicer(logs_service_pb2_grpc.LogsServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "receiver told to fail")
         with self.received.lock:
             self.received.requests.append(request)
+            self.received.times.append(time.monotonic())
         return logs_service_pb2.ExportLogsServiceResponse()
 
 
@@ -102,6 +104,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
         request.ParseFromString(body)
         with received.lock:
             received.requests.append(request)
+            received.times.append(time.monotonic())
         payload = logs_service_pb2.ExportLogsServiceResponse().SerializeToString()
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
