@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
 from forewarn.imds.instance import VmInfo
@@ -118,3 +119,31 @@ def test_document_families_are_cached_until_the_document_changes_and_openmetrics
     text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert text.count(b"# EOF") == 1 and text.endswith(b"# EOF\n")
+
+
+def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() -> None:
+    metrics = Metrics()
+    many = parse_document({"DocumentIncarnation": 9, "Events": [  # a rendering that takes a while
+        {"EventId": f"E{i}", "EventType": "Reboot", "Resources": ["vm-0"], "EventStatus": "Scheduled",
+         "NotBefore": "Thu, 01 Jan 1970 00:16:40 GMT"} for i in range(2000)]})
+    metrics.views.update(document=many, vm=VmInfo(name="vm-0"))
+    for expected in (1, 2, 3):  # one after another: each scrape renders afresh
+        metrics.render()
+        assert metrics.renders == expected
+    barrier = threading.Barrier(20)
+    bodies: list[bytes] = []
+
+    def scrape_together() -> None:
+        barrier.wait()
+        bodies.append(metrics.render()[0])
+
+    threads = [threading.Thread(target=scrape_together) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(bodies) == 20 and all(b"azure_scheduled_event_info{" in body for body in bodies)
+    assert 3 < metrics.renders < 3 + 20
+    # each content type is rendered on its own
+    text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert text.endswith(b"# EOF\n") and content_type.startswith("application/openmetrics-text")

@@ -126,11 +126,44 @@ class Metrics:
         self._cache_lock = threading.Lock()
         self._cache_key: tuple[Any, ...] = ()
         self._cache_text = b""
+        self._flight = threading.Condition()
+        self._rendering: set[str] = set()                  # content types being rendered now
+        self._done: dict[str, tuple[float, bytes]] = {}     # content type -> (start, body) of the last
+        self.renders = 0
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
-        """The whole exposition for an Accept header: the document families from a text cache that is
-        rebuilt only when the document, the VM or a status changes, then everything else, fresh."""
+        """The whole exposition for an Accept header.
+
+        Scrapes that arrive together share one rendering, as long as it began after they arrived (so
+        every value is still computed at the scrape's own time): 50 scrapers in phase cost about two
+        renderings, not fifty, and leave the poll thread its share of the interpreter."""
         encoder, content_type = choose_encoder(accept)
+        arrived = time.perf_counter()
+        with self._flight:
+            while True:
+                done = self._done.get(content_type)
+                if done is not None and done[0] > arrived:
+                    return done[1], content_type
+                if content_type not in self._rendering:
+                    break
+                self._flight.wait()
+            self._rendering.add(content_type)
+        body = None
+        try:
+            started = time.perf_counter()
+            body = self._render(encoder)
+            return body, content_type
+        finally:
+            with self._flight:
+                self._rendering.discard(content_type)
+                if body is not None:
+                    self._done[content_type] = (started, body)
+                    self.renders += 1
+                self._flight.notify_all()
+
+    def _render(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
+        """The document families from a text cache that is rebuilt only when the document, the VM or a
+        status changes, then everything else, fresh."""
         view = self.views.view
         key = (encoder, view.document, view.vm, view.status_since)
         with self._cache_lock:
@@ -140,7 +173,7 @@ class Metrics:
                 self._cache_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
                 self._cache_key = key
             cached = self._cache_text
-        return cached + encoder(self.registry), content_type
+        return cached + encoder(self.registry)
 
     def add_sink(self, name: str) -> None:
         """Make a sink's series visible at zero before its first delivery."""

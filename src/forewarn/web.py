@@ -59,6 +59,9 @@ class _Handler(BaseHTTPRequestHandler):
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of scrapers connecting at once (many Prometheus
+    # replicas, a restart of the monitoring stack) overflowed it and waited 1-3 s for TCP retries.
+    request_queue_size = 128
 
     def __init__(self, host: str, port: int, render: Callable[[str], tuple[bytes, str]],
                  readiness: Callable[[], tuple[bool, str]]) -> None:

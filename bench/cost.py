@@ -1,0 +1,200 @@
+"""Steady-state cost and scrape cost, each beside the baseline polling loop (bench/baseline.py).
+
+- steady state: CPU per IMDS poll (every thread of the process, from /proc schedstat) and resident
+  memory, with nothing but polling, at 1 and 5 polls/s; forewarn with Prometheus only, with the file
+  sink, and with every sink configured (file, stdout, OTLP gRPC to a local receiver, Event Hubs to the
+  local AMQP 1.0 peer); the baseline at the same rates. Polls are counted at the simulator.
+- scrape: /metrics latency with 0, 10, 100 and 1,000 events (sequential scrapes), then 50 scrapers with
+  100 events, each scraping once a second and all at the same moment (50 requests at once, every
+  second), while the poll cadence is measured at the simulator (jitter = how far each gap between
+  polls is from the interval).
+
+    python bench/cost.py [--quick]
+
+Results are printed and written to bench/results/cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from forewarn.simulator import Simulator, SimulatorServer, load_scenario
+
+from common import BENCH, Collector, cpu_seconds, header, percentile, rss_mib, summary_ms, write_results
+from peers.amqp import AmqpPeer
+from peers.otlp import GrpcReceiver
+
+WARMUP = 5.0
+
+
+def polls_by(sim: Simulator, prefix: str) -> int:
+    with sim._lock:
+        return sum(len(stamps) for caller, stamps in sim.request_times.items() if caller.startswith(prefix))
+
+
+def measure(sim: Simulator, pid: int, prefix: str, seconds: float) -> dict[str, Any]:
+    time.sleep(WARMUP)
+    cpu0, polls0 = cpu_seconds(pid), polls_by(sim, prefix)
+    time.sleep(seconds)
+    cpu1, polls1 = cpu_seconds(pid), polls_by(sim, prefix)
+    polls = polls1 - polls0
+    return {"polls": polls, "polls_per_s": round(polls / seconds, 2),
+            "cpu_ms_per_poll": round((cpu1 - cpu0) * 1000 / max(polls, 1), 3),
+            "cpu_percent_of_a_core": round((cpu1 - cpu0) * 100 / seconds, 3), "rss_mib": round(rss_mib(pid), 1)}
+
+
+def steady(interval: float, seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cases = {"prometheus_only": [], "file_sink": ["file"], "every_sink": ["file", "stdout", "otlp", "eventhubs"]}
+    for name, kinds in cases.items():
+        sim = Simulator(load_scenario("quiet"))
+        server = SimulatorServer(sim).serve_in_background()
+        otlp, amqp = GrpcReceiver(), AmqpPeer()
+        with tempfile.TemporaryDirectory() as tmp:
+            sinks = [f"file:{tmp}/records.jsonl" if kind == "file" else kind for kind in kinds]
+            env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": otlp.endpoint,
+                   "FOREWARN_EVENTHUBS_CONNECTION_STRING": amqp.connection_string}
+            collector = Collector(server.url, Path(tmp) / "state", interval, sinks=sinks, env=env)
+            try:
+                out[name] = measure(sim, collector.pid, "forewarn/", seconds)
+            finally:
+                collector.stop()
+                otlp.stop()
+                amqp.stop()
+                server.stop()
+        print(f"{interval:g} s {name}: {out[name]}", flush=True)
+    sim = Simulator(load_scenario("quiet"))
+    server = SimulatorServer(sim).serve_in_background()
+    proc = subprocess.Popen([sys.executable, str(BENCH / "baseline.py"), server.url, "--interval", str(interval)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out["baseline"] = measure(sim, proc.pid, "python-requests/", seconds)
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
+    print(f"{interval:g} s baseline: {out['baseline']}", flush=True)
+    base = out["baseline"]["cpu_ms_per_poll"]
+    for name in cases:
+        out[name]["cpu_vs_baseline"] = round(out[name]["cpu_ms_per_poll"] / base, 3)
+    return out
+
+
+def fill(sim: Simulator, collector: Collector, events: int) -> None:
+    for event in sim.current()[1]:
+        sim.remove(event["EventId"])
+    for i in range(events):
+        sim.inject({"id": f"SCRAPE-{events}-{i:04d}", "type": random.choice(["Reboot", "Redeploy", "Freeze"]),
+                    "notice": 900, "description": "Host server is undergoing maintenance."})
+    deadline = time.monotonic() + 20
+    while requests.get(collector.url + "/metrics").text.count("azure_scheduled_event_info{") != events:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{events} events not visible")
+        time.sleep(0.1)
+
+
+def sequential(url: str, scrapes: int) -> dict[str, Any]:
+    session = requests.Session()
+    latencies = []
+    for _ in range(scrapes):
+        started = time.perf_counter()
+        response = session.get(url)
+        response.raise_for_status()
+        latencies.append(time.perf_counter() - started)
+    return summary_ms(latencies) | {"bytes": len(response.content)}
+
+
+async def _scraper(host: str, port: int, rounds: int, latencies: list[float]) -> None:
+    """One Prometheus-like scraper on its own kept-alive connection, scraping at the start of every second
+    (all scrapers in phase: the worst alignment for the collector)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    request = f"GET /metrics HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n\r\n".encode()
+    try:
+        for _ in range(rounds):
+            await asyncio.sleep(1 - time.time() % 1)
+            started = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+            latencies.append(time.perf_counter() - started)
+    finally:
+        writer.close()
+
+
+def concurrent(collector: Collector, scrapers: int, seconds: float) -> list[float]:
+    latencies: list[float] = []
+
+    async def run() -> None:
+        rounds = int(seconds)
+        await asyncio.gather(*(_scraper("127.0.0.1", collector.port, rounds, latencies) for _ in range(scrapers)))
+
+    asyncio.run(run())
+    return latencies
+
+
+def jitter(sim: Simulator, since: float, interval: float) -> dict[str, Any]:
+    with sim._lock:
+        stamps = sorted(t for caller, times in sim.request_times.items() if caller.startswith("forewarn/")
+                        for t in times if t >= since)
+    gaps = [abs((b - a) - interval) for a, b in itertools.pairwise(stamps)]
+    return {"polls": len(stamps), "p50_ms": round(percentile(gaps, 50) * 1000, 2),
+            "p99_ms": round(percentile(gaps, 99) * 1000, 2), "max_ms": round(max(gaps) * 1000, 2)}
+
+
+def scrape(scrapes: int, seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sim = Simulator(load_scenario("quiet"))
+    server = SimulatorServer(sim).serve_in_background()
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = Collector(server.url, Path(tmp) / "state", 1.0, sinks=[f"file:{tmp}/records.jsonl"])
+        try:
+            for events in (0, 10, 100, 1000):
+                fill(sim, collector, events)
+                out[f"{events}_events"] = sequential(collector.url + "/metrics", scrapes)
+                print(f"scrape, {events} events: {out[f'{events}_events']}", flush=True)
+            fill(sim, collector, 100)
+            time.sleep(2)
+            quiet_from = time.time()
+            time.sleep(seconds)
+            out["poll_jitter_without_scrapes"] = jitter(sim, quiet_from, 1.0)
+            busy_from = time.time()
+            latencies = concurrent(collector, 50, seconds)
+            out["50_scrapers_100_events"] = summary_ms(latencies) | {
+                "scrapers": 50, "rounds": int(seconds)}
+            out["poll_jitter_under_50_scrapers"] = jitter(sim, busy_from, 1.0)
+            print(f"50 scrapers: {out['50_scrapers_100_events']}, jitter {out['poll_jitter_under_50_scrapers']}",
+                  flush=True)
+        finally:
+            collector.stop()
+            server.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke check")
+    args = parser.parse_args()
+    random.seed(5)
+    seconds, scrapes, busy = (10.0, 200, 8.0) if args.quick else (60.0, 2000, 30.0)
+    results: dict[str, Any] = header()
+    results["steady_1_poll_per_s"] = steady(1.0, seconds)
+    results["steady_5_polls_per_s"] = steady(0.2, seconds / 2)
+    results["scrape"] = scrape(scrapes, busy)
+    write_results("cost", results)
+
+
+if __name__ == "__main__":
+    main()
