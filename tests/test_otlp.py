@@ -192,3 +192,43 @@ def test_slow_receiver_delays_nothing_but_its_own_delivery(simulator: Callable[.
         assert list(dict.fromkeys(delivered_ids(peer))) == [r["id"] for r in proc.records()]
     finally:
         peer.stop()
+
+
+def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp_path: Any) -> None:
+    from datetime import datetime, timezone
+
+    from forewarn.delivery import DeliveryWorker, StoreRef
+    from forewarn.imds.document import parse_document
+    from forewarn.imds.instance import VmInfo
+    from forewarn.metrics import Metrics
+    from forewarn.records import to_record
+    from forewarn.sinks.otlp import OtlpSink
+    from forewarn.store import Store
+    from forewarn.tracker import diff_documents
+
+    def records(first: int) -> list[Any]:
+        document = parse_document({"DocumentIncarnation": first, "Events": [
+            {"EventId": f"IDLE-{first}", "EventType": "Reboot", "Resources": ["vm-0"], "EventStatus": "Scheduled",
+             "NotBefore": ""}]})
+        return [to_record(change, VmInfo(name="vm-0"), datetime.now(timezone.utc))
+                for change in diff_documents(None, document)]
+
+    peer = GrpcReceiver()
+    sink = OtlpSink(endpoint=peer.endpoint, protocol="grpc")
+    store = Store(tmp_path / "outbox.db", [sink.name])
+    worker = DeliveryWorker(sink, StoreRef(store), Metrics(), idle_refresh=0.2)
+    worker.start()
+    try:
+        store.commit(None, records(1))
+        worker.wake()
+        wait_until(lambda: len(peer.received.log_records()) == 1, timeout=10)
+        wait_until(lambda: sink._exporter is None, timeout=5)  # the quiet spell closed the channel
+        store.commit(None, records(2))
+        worker.wake()
+        wait_until(lambda: len(peer.received.log_records()) == 2, timeout=10)
+        assert [r["attrs"]["azure.scheduled_event.id"] for r in peer.received.log_records()] == ["IDLE-1", "IDLE-2"]
+    finally:
+        worker.stop()
+        sink.close()
+        store.close()
+        peer.stop()

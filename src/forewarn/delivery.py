@@ -65,6 +65,16 @@ class DeliveryWorker:
         except Exception as exc:  # a metrics refresh must never stop delivery
             log.debug("cannot read backlog of %s: %s", self.sink.name, exc)
 
+    def _idle(self) -> None:
+        """Nothing to send for a while: let a sink that holds costly connections release them."""
+        idle = getattr(self.sink, "idle", None)
+        if idle is None:
+            return
+        try:
+            idle()
+        except Exception as exc:  # releasing is best effort; the next send reconnects either way
+            log.debug("sink %s: idle clean-up failed: %s", self.sink.name, exc)
+
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
@@ -79,8 +89,10 @@ class DeliveryWorker:
                 self._publish_backlog(store)
                 if self._draining.is_set():
                     return
-                self._wake.wait(self._idle_refresh)
+                woke = self._wake.wait(self._idle_refresh)
                 self._wake.clear()
+                if not woke:
+                    self._idle()
                 continue
             try:
                 self.sink.send([record for _, record in batch])

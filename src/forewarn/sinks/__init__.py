@@ -21,6 +21,9 @@ class SinkConfigError(ValueError):
 
 
 class Sink(Protocol):
+    """A sink may also define `idle()`: the delivery worker calls it after a quiet spell (30 s with
+    nothing to send), to release what costs CPU while unused; `send` must work again afterwards."""
+
     #: Short, stable label for metrics and logs (`stdout`, `file:/var/log/x.jsonl`, ...).
     name: str
 

@@ -99,14 +99,24 @@ class OtlpSink:
 
     def __init__(self, endpoint: str | None = None, protocol: str | None = None) -> None:
         self.protocol = _protocol(protocol)
+        self._endpoint = endpoint
+        self._exporter: Any = self._new_exporter()
+
+    def _new_exporter(self) -> Any:
         if self.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
 
-            self._exporter: Any = GrpcExporter(endpoint=endpoint)
-        else:
-            from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
+            return GrpcExporter(endpoint=self._endpoint)
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
 
-            self._exporter = HttpExporter(endpoint=endpoint)
+        return HttpExporter(endpoint=self._endpoint)
+
+    def idle(self) -> None:
+        """Close an unused gRPC channel: gRPC's own threads (event engine, timers) cost about 0.4 ms of
+        CPU a second while a channel exists, more than polling IMDS. The next send opens a new one."""
+        if self.protocol == "grpc" and self._exporter is not None:
+            self._exporter.shutdown()
+            self._exporter = None
 
     def send(self, records: Sequence[Record]) -> None:
         resources: dict[tuple[tuple[str, str], ...], Resource] = {}
@@ -128,6 +138,8 @@ class OtlpSink:
                 event_name=f"azure.scheduled_event.{record.data['change']}",
             )
             batch.append(ReadableLogRecord(log_record, resource=resources[key], instrumentation_scope=_SCOPE))
+        if self._exporter is None:
+            self._exporter = self._new_exporter()
         try:
             result = self._exporter.export(batch)
         except Exception as exc:  # the exporters raise for some transport errors instead of returning FAILURE
@@ -136,4 +148,6 @@ class OtlpSink:
             raise SinkError(f"OTLP export ({self.protocol}) was not acknowledged")
 
     def close(self) -> None:
-        self._exporter.shutdown()
+        if self._exporter is not None:
+            self._exporter.shutdown()
+            self._exporter = None
