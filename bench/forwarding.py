@@ -1,10 +1,8 @@
-"""Forwarding benchmark: backlog drain rate per sink, and the memory the sinks add.
+"""Forwarding benchmark: backlog drain rate per sink (the memory the sinks add is in bench/cost.py).
 
 - drain: 10,000 records already waiting in the outbox of a stopped collector; `forewarn run` starts
   and its delivery worker drains them to the sink's local peer (OTLP gRPC, OTLP HTTP, the AMQP 1.0 peer,
   the file sink). Rate = records / seconds from the first to the last record the peer received.
-- memory: resident set of `forewarn run` at 1 poll/s with only stdout (the Prometheus-only figure), then
-  with both the Event Hubs and OTLP sinks configured and delivering.
 
     python bench/forwarding.py [--records 10000]
 
@@ -25,8 +23,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.records import to_record
@@ -34,7 +30,7 @@ from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.store import DB_FILE, Store
 from forewarn.tracker import diff_documents
 
-from common import header, write_results
+from common import header, write_results  # also puts tests/ (the peers) on sys.path
 from peers.amqp import AmqpPeer
 from peers.otlp import GrpcReceiver, HttpReceiverServer
 
@@ -130,37 +126,6 @@ def drain(sim_url: str, records: int) -> dict[str, Any]:
     return results
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def memory(sim_url: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = start(sim_url, Path(tmp) / "a", ["stdout"], {})
-        time.sleep(15)
-        out["prometheus_only_rss_mib"] = rss_mib(proc.pid)
-        proc.terminate()
-        proc.wait(20)
-        grpc_peer, amqp = GrpcReceiver(), AmqpPeer()
-        env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": grpc_peer.endpoint,
-               "FOREWARN_EVENTHUBS_CONNECTION_STRING": amqp.connection_string}
-        proc = start(sim_url, Path(tmp) / "b", ["stdout", "otlp", "eventhubs"], env)
-        time.sleep(15)
-        out["all_sinks_rss_mib"] = rss_mib(proc.pid)
-        out["delivered_while_measuring"] = {"otlp": len(grpc_peer.received.log_records()),
-                                            "eventhubs": len(amqp.received.messages)}
-        proc.terminate()
-        proc.wait(20)
-        grpc_peer.stop()
-        amqp.stop()
-    out["added_by_sinks_mib"] = out["all_sinks_rss_mib"] - out["prometheus_only_rss_mib"]
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=10_000)
@@ -170,7 +135,6 @@ def main() -> None:
     results: dict[str, Any] = header()
     try:
         results["drain"] = drain(server.url, args.records)
-        results["memory"] = memory(server.url)
     finally:
         server.stop()
     write_results("forwarding", results)

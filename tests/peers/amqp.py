@@ -13,6 +13,7 @@ reads by position from every Begin frame; the codec here writes every field, as 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -253,6 +254,8 @@ class AmqpPeer:
         return connection_string(self.port, self.hub)
 
     def stop(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the accept() in progress: the port is free for a new peer
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
         for sock in self.connections:
             try:

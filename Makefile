@@ -1,0 +1,27 @@
+# Conveniences; each target is one command from the README or docs/performance.md.
+PYTHON := .venv/bin/python
+
+.PHONY: setup test bench bench-quick
+
+setup:
+	test -x $(PYTHON) || python3 -m venv .venv
+	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[test,all]'
+
+test:
+	scripts/test
+
+# Every benchmark, then the tables for docs/performance.md (about 45 minutes on 2 cores).
+bench: setup
+	$(PYTHON) bench/latency.py
+	$(PYTHON) bench/cost.py
+	$(PYTHON) bench/forwarding.py
+	$(PYTHON) bench/soak.py
+	$(PYTHON) bench/report.py | tee bench/results/report.md
+
+# A smoke run of the same (about 10 minutes): small samples, figures not for publishing.
+bench-quick: setup
+	$(PYTHON) bench/latency.py --changes 20
+	$(PYTHON) bench/cost.py --quick
+	$(PYTHON) bench/forwarding.py --records 2000
+	$(PYTHON) bench/soak.py --hours 2 --minutes 3 --kill-every 40
+	$(PYTHON) bench/report.py

@@ -1,0 +1,112 @@
+"""Markdown tables from the results of the benchmarks (bench/results/*.json), for docs/performance.md.
+
+    python bench/report.py
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common import RESULTS
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def ratio(ours: float, base: float) -> str:
+    return f"{ours / base:.2f}x" if base else "-"
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def latency(results: dict[str, Any]) -> list[str]:
+    lines = [f"Reaction latency ({results['date']}, {results['changes']} changes per series)", "",
+             "| poll interval | where the change shows | p50 | p99 | target (p99) | baseline p50 / p99 | "
+             "p99 vs baseline | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key in sorted(k for k in results if k.startswith("forewarn_")):
+        interval = float(key.split("_")[1].rstrip("s"))
+        series, base = results[key], results.get(f"baseline_{interval:g}s", {}).get("printed", {})
+        target = interval * 1000 + 100
+        for label in ("metric", "file", "otlp", "eventhubs"):
+            row = series[label]
+            lines.append(f"| {interval:g} s | {label} | {row['p50_ms']:.0f} ms | {row['p99_ms']:.0f} ms | "
+                         f"<= {target:.0f} ms | {base.get('p50_ms', 0):.0f} / {base.get('p99_ms', 0):.0f} ms | "
+                         f"{ratio(row['p99_ms'], base.get('p99_ms', 0))} | {verdict(row['p99_ms'] <= target)} |")
+        approvals = results.get(f"approvals_{interval:g}s")
+        if approvals:
+            row = approvals["approval_from_detection"]
+            lines.append(f"| {interval:g} s | approval POST, from detection | {row['p50_ms']:.0f} ms | "
+                         f"{row['p99_ms']:.0f} ms | <= 50 ms | - | - | {verdict(row['p99_ms'] <= 50)} |")
+    return lines
+
+
+def cost(results: dict[str, Any]) -> list[str]:
+    lines = [f"Steady state ({results['date']})", "",
+             "| polls | configuration | polls/s | CPU per poll | vs baseline | CPU (% of a core) | RSS | |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, label in (("steady_1_poll_per_s", "1/s"), ("steady_5_polls_per_s", "5/s")):
+        block = results[key]
+        for name in ("prometheus_only", "file_sink", "every_sink", "baseline"):
+            row = block[name]
+            limit = 100 if name == "every_sink" else 60
+            ok = name == "baseline" or (row["cpu_ms_per_poll"] < 1 and row.get("cpu_vs_baseline", 0) <= 0.5
+                                        and row["rss_mib"] < limit)
+            lines.append(f"| {label} | {name.replace('_', ' ')} | {row['polls_per_s']} | "
+                         f"{row['cpu_ms_per_poll']:.3f} ms | {row.get('cpu_vs_baseline', 1):.2f}x | "
+                         f"{row['cpu_percent_of_a_core']:.2f}% | {row['rss_mib']:.0f} MiB | "
+                         f"{'-' if name == 'baseline' else verdict(ok)} |")
+    scrape = results["scrape"]
+    lines += ["", "| /metrics | p50 | p99 | max | size |", "| --- | --- | --- | --- | --- |"]
+    for events in (0, 10, 100, 1000):
+        row = scrape[f"{events}_events"]
+        lines.append(f"| {events} events, sequential | {row['p50_ms']:.1f} ms | {row['p99_ms']:.1f} ms | "
+                     f"{row['max_ms']:.1f} ms | {row['bytes'] / 1000:.0f} kB |")
+    row = scrape["50_scrapers_100_events"]
+    lines.append(f"| 100 events, 50 scrapers at once every second | {row['p50_ms']:.1f} ms | "
+                 f"{row['p99_ms']:.1f} ms | {row['max_ms']:.1f} ms | |")
+    for key, label in (("poll_jitter_without_scrapes", "no scrapes"), ("poll_jitter_under_50_scrapers", "50 scrapers")):
+        row = scrape[key]
+        lines.append(f"| poll cadence jitter, {label} | {row['p50_ms']:.1f} ms | {row['p99_ms']:.1f} ms | "
+                     f"{row['max_ms']:.1f} ms | |")
+    return lines
+
+
+def forwarding(results: dict[str, Any]) -> list[str]:
+    lines = [f"Backlog drain ({results['date']})", "", "| sink | records | records/s |", "| --- | --- | --- |"]
+    for name, row in results["drain"].items():
+        lines.append(f"| {name} | {row['records']:,} | {row['records_per_s']:,.0f} |")
+    return lines
+
+
+def soak(results: dict[str, Any]) -> list[str]:
+    row = results["soak"]
+    trouble = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(row["trouble"].items()))
+    return [f"Fault soak ({results['date']})", "", "| measure | result | target |", "| --- | --- | --- |",
+            f"| simulated time | {row['simulated_hours']} h at {row['speed']}x, {row['events']} events | >= 30 h |",
+            f"| transitions produced / reported | {row['transitions_produced']} / {row['transitions_reported']} | |",
+            f"| missed transitions | {len(row['missed'])} | 0 |",
+            f"| phantom transitions | {len(row['phantom'])} | 0 |",
+            f"| duplicate records beyond the same id | {row['duplicates_beyond_same_id']} | 0 |",
+            f"| records redelivered with the same id (allowed) | {row['records_redelivered_with_same_id']} | |",
+            f"| records missing at the OTLP receiver / AMQP peer | {row['missing_at_otlp']} / "
+            f"{row['missing_at_eventhubs']} | 0 |",
+            f"| crashes | {row['crashes']} | 0 |",
+            f"| most IMDS requests in any second; over-budget replies | {row['imds_max_requests_in_any_second']}; "
+            f"{row['imds_over_budget_replies']} | <= 5; 0 |",
+            f"| trouble injected | {trouble} | |"]
+
+
+def main() -> None:
+    for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak)):
+        results = load(name)
+        if results is not None:
+            print("\n".join(render(results)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
