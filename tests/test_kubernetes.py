@@ -39,8 +39,38 @@ def test_every_core_object_validates_strictly(target: str) -> None:
                             "NetworkPolicy", "ServiceMonitor", "PrometheusRule"])
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # checked below: their CRD schemas are not available offline
+            continue  # Prometheus Operator objects: validated against the CRD schemas below
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+CRD_VALIDATOR = Path(__file__).parent / "crd" / "validate.mjs"
+
+
+def validate_crds(manifests: str) -> subprocess.CompletedProcess[str]:
+    """Run the Prometheus Operator CRD schema check (tests/crd, installed by scripts/test with npm)."""
+    node = require_tool("node", "Node.js, with `npm ci --prefix tests/crd`")
+    if not (CRD_VALIDATOR.parent / "node_modules" / "@kubernetes-models" / "prometheus-operator").is_dir():
+        pytest.skip("CRD schemas not installed: npm ci --prefix tests/crd")
+    return subprocess.run([node, str(CRD_VALIDATOR)], input=manifests, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("target", ["base", "overlays/aks"])
+def test_monitoring_objects_validate_against_the_prometheus_operator_crds(target: str) -> None:
+    docs = build(target)
+    result = validate_crds(yaml.safe_dump_all(docs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == ["ok PrometheusRule forewarn", "ok ServiceMonitor forewarn"]
+
+
+def test_the_crd_check_rejects_what_the_operator_would() -> None:
+    docs = build("base")
+    monitor, rule = by_kind(docs, "ServiceMonitor"), by_kind(docs, "PrometheusRule")
+    monitor["spec"]["endpoints"][0]["port"] = 9465                     # a port name is a string
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]                  # every rule needs an expression
+    result = validate_crds(yaml.safe_dump_all([monitor, rule]))
+    assert result.returncode == 1
+    assert "invalid ServiceMonitor forewarn: /spec/endpoints/0/port must be string" in result.stdout
+    assert "invalid PrometheusRule forewarn: /spec/groups/0/rules/0 must have required property expr" in result.stdout
 
 
 def test_daemonset_is_locked_down() -> None:
