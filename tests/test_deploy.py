@@ -84,3 +84,30 @@ def test_the_agent_avoids_posix_only_calls_outside_guards() -> None:
                 findings += [f"{path.name}:{node.lineno}: import {name}" for name in names
                              if name.split(".")[0] in POSIX_MODULES]
     assert findings == []
+
+
+WINDOWS_SCRIPT = Path(__file__).parent.parent / "deploy" / "windows" / "install-forewarn.ps1"
+
+
+def test_windows_service_settings_are_options_forewarn_accepts(tmp_path: Path) -> None:
+    """PowerShell cannot run here; what the script hands forewarn (the command and its environment) is
+    checked against the real option parser instead."""
+    from forewarn.cli import build_parser
+    from forewarn.config import resolve
+
+    script = WINDOWS_SCRIPT.read_text()
+    install = re.search(r"& \$Nssm install forewarn \$exe (.+?) \| Out-Null", script)
+    assert install is not None and install.group(1) == "run"
+    env_line = re.search(r"\$envLines = @\((.+)\)", script)
+    assert env_line is not None
+    environ = {}
+    for item in re.findall(r'"([A-Z_]+)=([^"]*)"', env_line.group(1)):
+        key, value = item
+        environ[key] = value.replace("$StateDir", str(tmp_path / "state")).replace("$Port", "9465")
+    assert set(environ) == {"FOREWARN_STATE_DIR", "FOREWARN_LISTEN_ADDRESS", "FOREWARN_LOG_FORMAT"}
+    settings = resolve(build_parser().parse_args(["run"]), environ=environ)
+    assert settings.state_dir == str(tmp_path / "state")
+    assert settings.listen_address == ":9465" and settings.log_format == "json"
+    # runs unprivileged, restarts on failure, stops with Ctrl+C (a clean stop for forewarn)
+    assert 'ObjectName "NT AUTHORITY\\LocalService"' in script
+    assert "AppExit Default Restart" in script and "AppStopMethodConsole" in script
