@@ -385,8 +385,8 @@ def run_collector(settings: Settings) -> int:
     server.start()
     for worker in workers:
         worker.start()
-    log.info("forewarn %s polling %s every %g s; metrics on %s/metrics; sinks: %s", __version__, endpoint,
-             settings.poll_interval, server.url, ", ".join(s.name for s in sinks))
+    log.info("forewarn %s polling %s every %.3g s; metrics on %s/metrics; sinks: %s", __version__, endpoint,
+             collector.poll_interval, server.url, ", ".join(s.name for s in sinks) or "none (metrics only)")
     try:
         collector.run(stop)
     finally:
