@@ -28,7 +28,7 @@ def latency(results: dict[str, Any]) -> list[str]:
     lines = [f"Reaction latency ({results['date']}, {results['changes']} changes per series)", "",
              "| poll interval | where the change shows | p50 | p99 | target (p99) | baseline p50 / p99 | "
              "p99 vs baseline | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for key in sorted(k for k in results if k.startswith("forewarn_")):
+    for key in sorted((k for k in results if k.startswith("forewarn_")), key=lambda k: -float(k[9:-1])):
         interval = float(key.split("_")[1].rstrip("s"))
         series, base = results[key], results.get(f"baseline_{interval:g}s", {}).get("printed", {})
         target = interval * 1000 + 100
