@@ -116,15 +116,18 @@ class Backoff:
         return self._rng.uniform(ceiling / 2, ceiling)
 
 
-def _retry_after(response: requests.Response) -> float | None:
-    return _parse_retry_after(response.headers.get("Retry-After"))
-
-
 def _parse_retry_after(value: str | None) -> float | None:
     try:
         return max(0.0, float(value)) if value else None
     except ValueError:
         return None
+
+
+def _status_error(what: str, status: int, text: str, retry_after: str | None) -> ImdsError:
+    """The error for a reply other than 200, with the start of its body (IMDS explains itself there)."""
+    snippet = text[:200].strip().replace("\n", " ")
+    return ImdsError(f"{what}: HTTP {status}" + (f" ({snippet})" if snippet else ""), code=status,
+                     retryable=is_retryable_status(status), retry_after=_parse_retry_after(retry_after))
 
 
 class PollConnection:
@@ -252,13 +255,8 @@ class ImdsClient:
             if self._observe is not None:
                 self._observe(method, code, time.monotonic() - started)
         if response.status_code != 200:
-            snippet = response.text[:200].strip().replace("\n", " ")
-            raise ImdsError(
-                f"{method} {path}: HTTP {response.status_code}" + (f" ({snippet})" if snippet else ""),
-                code=response.status_code,
-                retryable=is_retryable_status(response.status_code),
-                retry_after=_retry_after(response),
-            )
+            raise _status_error(f"{method} {path}", response.status_code, response.text,
+                                response.headers.get("Retry-After"))
         return response
 
     def _poll_request(self) -> bytes:
@@ -279,10 +277,7 @@ class ImdsClient:
             if self._observe is not None:
                 self._observe("GET", code, time.monotonic() - started)
         if status != 200:
-            snippet = body[:200].decode("utf-8", "replace").strip().replace("\n", " ")
-            raise ImdsError(
-                f"{what}: HTTP {status}" + (f" ({snippet})" if snippet else ""),
-                code=status, retryable=is_retryable_status(status), retry_after=_parse_retry_after(retry_after))
+            raise _status_error(what, status, body[:200].decode("utf-8", "replace"), retry_after)
         return body
 
     def get_scheduled_events(self) -> Document:
