@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -80,14 +84,30 @@ def test_outbox_moves_between_stores_with_cursors_intact(tmp_path: Path) -> None
     assert memory.fetch("a", 10)[-1][1].subject == "E4"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
-def test_read_only_state_dir_is_a_store_error(tmp_path: Path) -> None:
-    tmp_path.chmod(0o500)
+@contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """Make `directory` unwritable for this process: mode bits, or for root (which ignores them) the
+    immutable attribute."""
+    if os.geteuid() != 0:
+        directory.chmod(0o500)
+        try:
+            yield
+        finally:
+            directory.chmod(0o700)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)],
+                                                        capture_output=True).returncode != 0:
+        pytest.skip("root ignores directory permissions and this filesystem has no immutable attribute")
     try:
-        with pytest.raises(StoreError):
-            Store(tmp_path / DB_FILE, ["stdout"])
+        yield
     finally:
-        tmp_path.chmod(0o700)
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_read_only_state_dir_is_a_store_error(tmp_path: Path) -> None:
+    with read_only(tmp_path), pytest.raises(StoreError):
+        Store(tmp_path / DB_FILE, ["stdout"])
+    assert not (tmp_path / DB_FILE).exists()
 
 
 def test_unwritable_database_is_a_store_error(tmp_path: Path) -> None:
