@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from conftest import require_tool
 
@@ -87,6 +88,40 @@ def test_the_agent_avoids_posix_only_calls_outside_guards() -> None:
 
 
 WINDOWS_SCRIPT = Path(__file__).parent.parent / "deploy" / "windows" / "install-forewarn.ps1"
+
+
+# What the script calls: cmdlets that ship with Windows PowerShell 5.1 on Windows Server 2016 and later
+# (Microsoft.PowerShell.*, NetSecurity, the service cmdlets) and icacls. A misspelt or foreign command
+# would only fail on the user's machine.
+WINDOWS_COMMANDS = {"Get-Command", "Get-NetFirewallRule", "Get-Service", "Join-Path", "New-Item",
+                    "New-NetFirewallRule", "New-Object", "Out-Null", "Start-Service", "Write-Host", "icacls"}
+
+
+def powershell_tree(source: bytes) -> Any:
+    import tree_sitter_powershell
+    from tree_sitter import Language, Parser
+
+    return Parser(Language(tree_sitter_powershell.language())).parse(source)
+
+
+def test_windows_script_parses_as_powershell() -> None:
+    """PowerShell cannot run here; a PowerShell grammar (tree-sitter) parses the script instead."""
+    source = WINDOWS_SCRIPT.read_bytes()
+    tree = powershell_tree(source)
+    assert not tree.root_node.has_error
+    # the same check sees the script with the first if block's opening brace missing as broken
+    assert b") {\n" in source
+    assert powershell_tree(source.replace(b") {\n", b")\n", 1)).root_node.has_error
+
+    called: set[str] = set()
+    pending = [tree.root_node]
+    while pending:
+        node = pending.pop()
+        if node.type == "command_name":
+            called.add(source[node.start_byte:node.end_byte].decode())
+        pending.extend(node.children)
+    assert "Start-Service" in called
+    assert called <= WINDOWS_COMMANDS, called - WINDOWS_COMMANDS
 
 
 def test_windows_service_settings_are_options_forewarn_accepts(tmp_path: Path) -> None:
