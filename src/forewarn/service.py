@@ -377,7 +377,9 @@ def run_collector(settings: Settings) -> int:
         collector.listeners.append(approver)
 
     def on_signal(signum: int, frame: Any) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
+        # `timeout`, shells and supervisors often signal the process and then its group: say it once.
+        if not stop.is_set():
+            log.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
