@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -30,7 +27,7 @@ from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.store import DB_FILE, Store
 from forewarn.tracker import diff_documents
 
-from common import header, write_results  # also puts tests/ (the peers) on sys.path
+from common import Collector, header, write_results  # also puts tests/ (the peers) on sys.path
 from peers.amqp import AmqpPeer
 from peers.otlp import GrpcReceiver, HttpReceiverServer
 
@@ -51,14 +48,6 @@ def backlog(state_dir: Path, sink: str, count: int) -> None:
         records.append(to_record(change, VM, datetime.now(timezone.utc)))
     store.commit(None, records)
     store.close()
-
-
-def start(endpoint: str, state_dir: Path, sinks: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "forewarn", "run", "--imds-endpoint", endpoint, "--listen-address", "127.0.0.1:0",
-            "--state-dir", str(state_dir), "--log-level", "warning"]
-    for sink in sinks:
-        args += ["--sink", sink]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
 
 
 def wait_count(count_fn: Any, target: int, timeout: float) -> tuple[float, float]:
@@ -112,12 +101,11 @@ def drain(sim_url: str, records: int) -> dict[str, Any]:
                         return sum(1 for _ in handle)
             backlog(state, sink, records)
             started = time.monotonic()
-            proc = start(sim_url, state, [sink], env)
+            collector = Collector(sim_url, state, sinks=[sink], env=env, wait=False)
             try:
                 first, last = wait_count(count, records, timeout=300)
             finally:
-                proc.terminate()
-                proc.wait(20)
+                collector.stop()
                 if peer is not None:
                     peer.stop()
             results[name] = {"records": records, "records_per_s": records / max(last - first, 1e-9),

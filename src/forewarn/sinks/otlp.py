@@ -114,9 +114,8 @@ class OtlpSink:
     def idle(self) -> None:
         """Close an unused gRPC channel: gRPC's own threads (event engine, timers) cost about 0.4 ms of
         CPU a second while a channel exists, more than polling IMDS. The next send opens a new one."""
-        if self.protocol == "grpc" and self._exporter is not None:
-            self._exporter.shutdown()
-            self._exporter = None
+        if self.protocol == "grpc":
+            self.close()
 
     def send(self, records: Sequence[Record]) -> None:
         resources: dict[tuple[tuple[str, str], ...], Resource] = {}
