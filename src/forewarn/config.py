@@ -142,8 +142,18 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "to 120 s)", 2.0, _positive(float), metavar="SECONDS"),
     Option("imds-max-backoff", "longest wait between polls while IMDS keeps failing", 10.0,
            _positive(float), metavar="SECONDS"),
+    Option("imds-max-reply-bytes", "largest IMDS reply accepted; a longer one is an error and its connection "
+           "is dropped", 4 * 1024 * 1024, _positive(int), metavar="BYTES"),
     Option("listen-address", "where /metrics, /healthz and /readyz are served", DEFAULT_LISTEN, _listen,
            metavar="HOST:PORT"),
+    Option("web-read-timeout", "seconds a client of the web endpoints may take to send a request, and may "
+           "stay idle between requests", 10.0, _positive(float), metavar="SECONDS"),
+    Option("web-max-connections", "web connections served at once (each has a worker thread); more wait in "
+           "the listen queue", 16, _positive(int), metavar="N"),
+    Option("web-max-request-bytes", "largest request (line and headers) the web endpoints accept", 16384,
+           _positive(int), metavar="BYTES"),
+    Option("drain-timeout", "on stop, how long the sinks (in parallel) may take to deliver what is waiting; "
+           "the rest stays in the outbox", 10.0, _positive(float), metavar="SECONDS"),
     Option("vm-name", "this VM's name as in Resources (default: instance metadata compute.name)", None,
            metavar="NAME"),
     Option("state-dir", "where state and the outbox survive restarts", None, metavar="PATH"),
