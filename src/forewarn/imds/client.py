@@ -11,21 +11,26 @@ Facts this relies on (see shared IMDS.md):
 from __future__ import annotations
 
 import collections
+import errno
 import http.client
+import io
+import json
+import math
+import os
 import random
 import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-import requests
-from requests.adapters import HTTPAdapter
-
 from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
+from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents"
@@ -89,7 +94,8 @@ class RateLimiter:
         self._times: collections.deque[float] = collections.deque()
         self._lock = threading.Lock()
 
-    def acquire(self, reserve: int = 0) -> None:
+    def acquire(self, reserve: int = 0, stop: threading.Event | None = None) -> None:
+        """Wait for a slot; a set `stop` ends the wait with Stopped."""
         allowed = max(1, self.limit - reserve)
         while True:
             with self._lock:
@@ -100,7 +106,10 @@ class RateLimiter:
                     self._times.append(now)
                     return
                 wait = self._times[len(self._times) - allowed] + self.window - now
-            self._sleep(max(wait, 0.001))
+            if stop is None:
+                self._sleep(max(wait, 0.001))
+            elif stop.wait(max(wait, 0.001)):
+                raise Stopped()
 
 
 class Backoff:
@@ -117,65 +126,175 @@ class Backoff:
 
 
 def _parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the HTTP-date form is not used by IMDS and is ignored)."""
     try:
-        return max(0.0, float(value)) if value else None
+        seconds = float(value) if value else None
     except ValueError:
         return None
+    return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
 
 
-def _status_error(what: str, status: int, text: str, retry_after: str | None) -> ImdsError:
+def _status_error(what: str, status: int, body: bytes, retry_after: str | None) -> ImdsError:
     """The error for a reply other than 200, with the start of its body (IMDS explains itself there)."""
-    snippet = text[:200].strip().replace("\n", " ")
+    snippet = body[:200].decode("utf-8", "replace").strip()
+    snippet = "".join(ch if ch.isprintable() else " " for ch in snippet)
     return ImdsError(f"{what}: HTTP {status}" + (f" ({snippet})" if snippet else ""), code=status,
                      retryable=is_retryable_status(status), retry_after=_parse_retry_after(retry_after))
 
 
-class PollConnection:
-    """The steady-state Scheduled Events GET over one kept-alive `http.client` connection.
+class Stopped(ImdsError):
+    """The request was abandoned because the process is stopping."""
 
-    Polling sends the same GET every second, forever. Through `requests` that costs about 1.3 ms of CPU
-    when the process wakes from its sleep (the session, adapter and urllib3 layers run cold each time);
-    the same request on the standard library's connection costs about 0.55 ms, which is what puts a poll
-    under the 1 ms budget. Only this one request takes the short path: the first call (which may take
-    two minutes), instance metadata and approvals go through the `requests` session. Like the session,
-    it never consults proxy settings and sends only the headers given.
+    def __init__(self) -> None:
+        super().__init__("stopping")
+
+    @property
+    def kind(self) -> str:
+        return "stopped"
+
+
+class ReplyTooLarge(ImdsError):
+    """The reply was longer than the cap; the connection was dropped without reading the rest."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"{what}: reply larger than {limit} bytes (--imds-max-reply-bytes); connection "
+                         "dropped", retryable=True)
+
+    @property
+    def kind(self) -> str:
+        return "too_large"
+
+
+class Deadline:
+    """The moment by which a request must be done, and the stop signal that ends it sooner.
+
+    A socket timeout bounds each read, not the request: a reply trickled one byte a second never trips
+    a 2 s timeout. So every blocking step asks `remaining()` first and waits at most `SLICE` at a time,
+    which also lets a stop signal interrupt any wait within `SLICE`.
     """
 
-    def __init__(self, endpoint: str, target: str, headers: dict[str, str], timeout: float) -> None:
-        parts = urlsplit(endpoint)
-        if parts.scheme == "https":
-            self._conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.hostname or "", parts.port, timeout=timeout)
-        else:
-            self._conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
-        self._target = target
-        self._headers = headers
-        self._lock = threading.Lock()  # one request at a time on the connection
+    SLICE = 0.25
 
-    def get(self) -> tuple[int, bytes, str | None]:
-        """Status, body and Retry-After of one GET; raises OSError or HTTPException on transport failure."""
-        with self._lock:
-            conn = self._conn
-            if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
-                conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
+    def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.stop = stop
+
+    def remaining(self) -> float:
+        """Seconds left; raises Stopped or TimeoutError when there are none."""
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped()
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {self.seconds:g} s")
+        return left
+
+    def slice(self) -> float:
+        return min(self.remaining(), self.SLICE)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as http.client reads it, every read bounded by the request's deadline."""
+
+    def __init__(self, owner: _DeadlineSocket) -> None:
+        self._owner = owner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        sock = self._owner.sock
+        deadline = self._owner.connection.deadline
+        while True:
+            sock.settimeout(deadline.slice())
             try:
-                conn.request("GET", self._target, headers=self._headers)
-                response = conn.getresponse()
-                body = response.read()
-            except BaseException:
-                conn.close()
-                raise
-            if response.will_close:
-                conn.close()
-            return response.status, body, response.getheader("Retry-After")
+                return sock.recv_into(buffer)
+            except TimeoutError:
+                continue
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        if not self.closed:
+            super().close()
+            self._owner.release()
+
+
+class _DeadlineSocket:
+    """What http.client holds as its socket: sends and reads both bounded by the current deadline.
+
+    Like the standard library's socket files, a reader keeps the socket open after `close()` until the
+    reader is closed too: http.client closes the connection before reading a body that ends with it.
+    """
+
+    def __init__(self, sock: socket.socket, connection: _Connection) -> None:
+        self.sock = sock
+        self.connection = connection
+        self._readers = 0
+        self._closed = False
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.settimeout(self.connection.deadline.remaining())
+        self.sock.sendall(data)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def release(self) -> None:
+        self._readers -= 1
+        if self._closed and self._readers <= 0:
+            self.sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._readers <= 0:
+            self.sock.close()
+
+
+class _Connection(http.client.HTTPConnection):
+    """An HTTP/1.1 connection to IMDS whose every step (connect, send, each read) honours `deadline`."""
+
+    def __init__(self, endpoint: str) -> None:
+        parts = urlsplit(endpoint)
+        super().__init__(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+        self.tls = parts.scheme == "https"
+        self.deadline = Deadline(CONNECT_TIMEOUT)
+
+    def connect(self) -> None:
+        family, kind, proto, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            error = sock.connect_ex(address)
+            connect_by = Deadline(min(CONNECT_TIMEOUT, self.deadline.remaining()), self.deadline.stop)
+            while error in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
+                try:
+                    _, writable, failed = select.select([], [sock], [sock], connect_by.slice())
+                except TimeoutError:
+                    raise TimeoutError(f"no connection within {connect_by.seconds:g} s") from None
+                if writable or failed:
+                    error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                raise ConnectionError(error, os.strerror(error))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls:
+                sock.settimeout(min(CONNECT_TIMEOUT, self.deadline.remaining()))
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = _DeadlineSocket(sock, self)
 
 
 class ImdsClient:
-    """Talks to one IMDS endpoint. Thread-safe; every request goes through the shared rate limiter."""
+    """Talks to one IMDS endpoint. Thread-safe; every request goes through the shared rate limiter.
+
+    Every request has a deadline (`timeout`, or `first_timeout` for the very first Scheduled Events call)
+    that bounds the whole exchange however the bytes arrive, and ends at once when `stop` is set. Replies
+    are read up to `max_reply_bytes`; a longer one is an error and its connection is dropped.
+    """
 
     def __init__(
         self,
@@ -185,47 +304,29 @@ class ImdsClient:
         first_timeout: float = FIRST_CALL_TIMEOUT,
         limiter: RateLimiter | None = None,
         observe: RequestObserver | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        stop: threading.Event | None = None,
     ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.api_version = api_version
         self.timeout = timeout
         self.first_timeout = first_timeout
         self.limiter = limiter or RateLimiter()
+        self.max_reply_bytes = max_reply_bytes
+        self.stop = stop
         self._observe = observe
         self._enabled = False
-        session = requests.Session()
-        # Ignore HTTP(S)_PROXY, NO_PROXY and .netrc: IMDS must be reached directly.
-        session.trust_env = False
-        session.proxies = {}
-        session.headers.clear()
-        headers = {"Metadata": "true", "User-Agent": USER_AGENT, "Accept": "application/json"}
-        session.headers.update(headers)
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0)
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
-        self._session = session
-        self._prepared: dict[tuple[str, str, str], requests.PreparedRequest] = {}
+        self._headers = {"Metadata": "true", "User-Agent": USER_AGENT, "Accept": "application/json"}
+        self._events_target = f"{SCHEDULED_EVENTS_PATH}?{urlencode({'api-version': api_version})}"
         self._last_reply: tuple[bytes, Document] | None = None
-        self._poll = PollConnection(
-            self.endpoint, f"{SCHEDULED_EVENTS_PATH}?{urlencode({'api-version': api_version})}",
-            headers, timeout)
-
-    def _prepare(self, method: str, path: str, params: dict[str, str], body: Any) -> requests.PreparedRequest:
-        """The request, prepared once per (method, path, query) when it has no body: polling sends the same
-        GET every second, and preparing it (URL parsing, header merging) was a third of a poll's CPU."""
-        if body is not None:
-            return self._session.prepare_request(
-                requests.Request(method, self.endpoint + path, params=params, json=body))
-        key = (method, path, repr(sorted(params.items())))
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            prepared = self._session.prepare_request(requests.Request(method, self.endpoint + path, params=params))
-            self._prepared[key] = prepared
-        return prepared.copy()
+        # Polls (the same GET every second, forever) keep one connection alive; everything else is rare
+        # and opens its own.
+        self._poll = _Connection(self.endpoint)
+        self._poll_lock = threading.Lock()
 
     def close(self) -> None:
-        self._session.close()
-        self._poll.close()
+        with self._poll_lock:
+            self._poll.close()
 
     @property
     def shortest_poll_interval(self) -> float:
@@ -234,62 +335,85 @@ class ImdsClient:
         settle again instead of queueing on the limiter in bursts."""
         return self.limiter.window / max(1, self.limiter.limit - POLL_RESERVE) + 0.01
 
-    def _request(self, method: str, path: str, params: dict[str, str], timeout: float,
-                 body: Any = None, reserve: int = 0) -> requests.Response:
-        self.limiter.acquire(reserve)
-        started = time.monotonic()
-        code = "error"
+    def _exchange(self, conn: _Connection, method: str, target: str, body: bytes | None,
+                  deadline: Deadline) -> tuple[int, bytes, str | None]:
+        """One request on `conn`: status, body (at most max_reply_bytes) and Retry-After."""
+        conn.deadline = deadline
+        if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+            conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            response = self._session.send(
-                self._prepare(method, path, params, body),
-                timeout=(min(CONNECT_TIMEOUT, timeout), timeout), allow_redirects=False,
-            )
-            code = str(response.status_code)
-        except requests.Timeout:
-            raise ImdsError(f"{method} {path}: no answer within {timeout:g} s", retryable=True) from None
-        except requests.ConnectionError as exc:
-            raise ImdsError(f"{method} {path}: connection failed ({_reason(exc)})", retryable=True) from None
-        except requests.RequestException as exc:
-            raise ImdsError(f"{method} {path}: {_reason(exc)}", retryable=True) from None
-        finally:
-            if self._observe is not None:
-                self._observe(method, code, time.monotonic() - started)
-        if response.status_code != 200:
-            raise _status_error(f"{method} {path}", response.status_code, response.text,
-                                response.headers.get("Retry-After"))
-        return response
+            conn.request(method, target, body=body, headers=headers)
+            response = conn.getresponse()
+            limit = self.max_reply_bytes
+            if response.length is not None and response.length > limit:
+                raise ReplyTooLarge(f"{method} {target.split('?')[0]}", limit)
+            data = bytearray()
+            while True:
+                piece = response.read(min(65536, limit + 1 - len(data)))
+                if not piece:
+                    break
+                data += piece
+                if len(data) > limit:
+                    raise ReplyTooLarge(f"{method} {target.split('?')[0]}", limit)
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        return response.status, bytes(data), response.getheader("Retry-After")
 
-    def _poll_request(self) -> bytes:
-        """The steady-state poll on the kept-alive connection; same errors as `_request`."""
-        self.limiter.acquire(reserve=POLL_RESERVE)
+    def _call(self, method: str, path: str, params: dict[str, str], timeout: float, body: Any = None,
+              reserve: int = 0, parse: Callable[[bytes], T] | None = None, poll: bool = False) -> T | bytes:
+        """A request within `timeout` seconds, observed once with its outcome: the HTTP status, `error`
+        (transport or deadline), `too_large`, or `invalid` (a 200 whose body `parse` refused)."""
+        what = f"{method} {path}"
+        self.limiter.acquire(reserve, self.stop)
         started = time.monotonic()
         code = "error"
-        what = f"GET {SCHEDULED_EVENTS_PATH}"
+        deadline = Deadline(timeout, self.stop)
+        target = f"{path}?{urlencode(params)}"
+        payload = json.dumps(body).encode() if body is not None else None
         try:
-            status, body, retry_after = self._poll.get()
+            if poll:
+                with self._poll_lock:
+                    status, data, retry_after = self._exchange(self._poll, method, target, payload, deadline)
+            else:
+                conn = _Connection(self.endpoint)
+                try:
+                    status, data, retry_after = self._exchange(conn, method, target, payload, deadline)
+                finally:
+                    conn.close()
             code = str(status)
+            if status != 200:
+                raise _status_error(what, status, data, retry_after)
+            if parse is None:
+                return data
+            try:
+                return parse(data)
+            except DocumentError:
+                code = "invalid"
+                raise
+        except DocumentError:
+            raise
+        except Stopped:
+            code = "stopped"  # not an outcome of IMDS: not counted
+            raise
+        except ImdsError as exc:
+            code = "too_large" if isinstance(exc, ReplyTooLarge) else code
+            raise
         except TimeoutError:
-            raise ImdsError(f"{what}: no answer within {self.timeout:g} s", retryable=True) from None
-        except (OSError, http.client.HTTPException) as exc:
+            raise ImdsError(f"{what}: no complete answer within {timeout:g} s", retryable=True) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             reason = str(exc) or type(exc).__name__
-            raise ImdsError(f"{what}: connection failed ({reason})", retryable=True) from None
+            raise ImdsError(f"{what}: connection failed ({reason[:200]})", retryable=True) from None
         finally:
-            if self._observe is not None:
-                self._observe("GET", code, time.monotonic() - started)
-        if status != 200:
-            raise _status_error(what, status, body[:200].decode("utf-8", "replace"), retry_after)
-        return body
+            if self._observe is not None and code != "stopped":
+                self._observe(method, code, time.monotonic() - started)
 
-    def get_scheduled_events(self) -> Document:
-        """One poll. Raises ImdsError for HTTP or transport failures, DocumentError for a bad body."""
-        if self._enabled:
-            body = self._poll_request()
-        else:
-            # Until IMDS has answered once, allow it the two minutes it may need to switch the service on.
-            timeout = max(self.timeout, self.first_timeout)
-            body = self._request("GET", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, timeout,
-                                 reserve=POLL_RESERVE).content
-            self._enabled = True
+    def _parse_events(self, body: bytes) -> Document:
         # Most polls return the bytes of the previous one; documents are immutable, so reuse it.
         if self._last_reply is not None and self._last_reply[0] == body:
             return self._last_reply[1]
@@ -297,28 +421,40 @@ class ImdsClient:
         self._last_reply = (body, document)
         return document
 
+    def get_scheduled_events(self) -> Document:
+        """One poll. Raises ImdsError for HTTP or transport failures, DocumentError for a bad body."""
+        params = {"api-version": self.api_version}
+        if self._enabled:
+            document = self._call("GET", SCHEDULED_EVENTS_PATH, params, self.timeout, reserve=POLL_RESERVE,
+                                  parse=self._parse_events, poll=True)
+        else:
+            # Until IMDS has answered once, allow it the two minutes it may need to switch the service on.
+            document = self._call("GET", SCHEDULED_EVENTS_PATH, params, max(self.timeout, self.first_timeout),
+                                  reserve=POLL_RESERVE, parse=self._parse_events)
+            self._enabled = True
+        assert isinstance(document, Document)
+        return document
+
     def get_compute(self) -> VmInfo:
-        response = self._request("GET", COMPUTE_PATH, {"api-version": COMPUTE_API_VERSION}, self.timeout)
-        try:
-            data = response.json()
-        except ValueError:
-            raise DocumentError("instance metadata reply is not JSON") from None
-        if not isinstance(data, dict):
-            raise DocumentError("instance metadata reply is not a JSON object")
-        return parse_compute(data)
+        info = self._call("GET", COMPUTE_PATH, {"api-version": COMPUTE_API_VERSION}, self.timeout,
+                          parse=_parse_compute_reply)
+        assert isinstance(info, VmInfo)
+        return info
 
     def start_events(self, event_ids: Sequence[str]) -> None:
         """Approve events: one POST with every id (IMDS answers 200 even for ids already approved)."""
         body = {"StartRequests": [{"EventId": event_id} for event_id in event_ids]}
-        self._request("POST", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, self.timeout, body)
+        self._call("POST", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version}, self.timeout, body)
 
 
-def _reason(exc: BaseException) -> str:
-    """The innermost cause of a transport error, without the URL noise requests wraps around it."""
-    while exc.__context__ is not None and exc.__context__ is not exc:
-        exc = exc.__context__
-    text = str(exc) or type(exc).__name__
-    return text.split(": ", 1)[-1] if "Max retries" in text else text
+def _parse_compute_reply(body: bytes) -> VmInfo:
+    try:
+        data, _ = decode_reply(body)
+    except ReplyError as exc:
+        raise DocumentError(f"instance metadata: {exc}") from None
+    if not isinstance(data, dict):
+        raise DocumentError("instance metadata reply is not a JSON object")
+    return parse_compute(data)
 
 
 def with_retries(call: Callable[[], T], attempts: int = 4, backoff: Backoff | None = None,

@@ -8,13 +8,14 @@ and keeps the last good document, so one bad reply never loses what is already k
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from email.utils import format_datetime, parsedate_to_datetime
 from typing import Any
+
+from forewarn.imds.reply import ReplyError, check_value, decode_reply
 
 #: Event types, statuses and sources documented for API version 2020-07-01. Other values are passed
 #: through untouched; these lists only drive zero-filled metrics and the simulator.
@@ -87,6 +88,12 @@ class Document:
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A value for a message: repr, clipped, so a hostile reply cannot flood the log."""
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 _ISO_Z = re.compile(r"Z$", re.IGNORECASE)
 
 
@@ -99,15 +106,21 @@ def parse_not_before(value: str) -> datetime:
     text = value.strip()
     try:
         parsed = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         try:
             parsed = datetime.fromisoformat(_ISO_Z.sub("+00:00", text))
         except ValueError:
-            raise ValueError(f"NotBefore {value!r} is neither RFC 1123 nor ISO 8601") from None
+            raise ValueError(f"NotBefore {shown(value)} is neither RFC 1123 nor ISO 8601") from None
     if parsed.tzinfo is None:
         # Both forms without a zone are read as UTC: IMDS documents its times as GMT.
         parsed = parsed.replace(tzinfo=timezone.utc)
-    return parsed.astimezone(timezone.utc)
+    try:
+        # Year 9999 at -12:00 is in year 10000 in UTC, past what datetime holds.
+        moment = parsed.astimezone(timezone.utc)
+        moment.timestamp()
+    except (OverflowError, ValueError):
+        raise ValueError(f"NotBefore {shown(value)} is outside the range of dates forewarn handles") from None
+    return moment
 
 
 def format_not_before(moment: datetime) -> str:
@@ -115,80 +128,111 @@ def format_not_before(moment: datetime) -> str:
     return format_datetime(moment.astimezone(timezone.utc), usegmt=True)
 
 
-def _optional_str(raw: Mapping[str, Any], name: str, where: str) -> str | None:
+#: Whole-document limits; see imds/reply.py for what is checked on the raw bytes.
+MAX_EVENTS = 1000
+#: DocumentIncarnation is a counter; beyond 2**53 it could not be shown exactly as a metric value.
+MAX_INCARNATION = 2**53
+#: DurationInSeconds: -1 (unknown) up to ten years; a larger value is read as unknown, with a warning.
+MAX_DURATION = 10 * 365 * 86400
+
+
+def _optional_str(raw: Mapping[str, Any], name: str, where: str, warnings: list[str]) -> str | None:
+    """A descriptive field: a wrong type is a warning and the field reads as absent."""
     value = raw.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise DocumentError(f"{where}.{name} must be a string, got {type(value).__name__}")
-    return value
+    if value is None or isinstance(value, str):
+        return value
+    warnings.append(f"{where}: {name} must be a string, got {type(value).__name__}; ignored")
+    return None
 
 
 def _required_str(raw: Mapping[str, Any], name: str, where: str) -> str:
-    value = _optional_str(raw, name, where)
-    if not value:
-        raise DocumentError(f"{where}.{name} is missing or empty")
+    """An identifying field: without it the event cannot be tracked, so the reply is refused and the last
+    good document kept (dropping the event instead would report it as cancelled)."""
+    value = raw.get(name)
+    if not isinstance(value, str) or not value:
+        shown = "missing or empty" if value in (None, "") else f"not a string ({type(value).__name__})"
+        raise DocumentError(f"{where}.{name} is {shown}")
     return value
+
+
+def _resources(raw: Mapping[str, Any], where: str, warnings: list[str]) -> tuple[str, ...]:
+    value = raw.get("Resources", [])
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        warnings.append(f"{where}: Resources must be a list of strings, got {type(value).__name__}; ignored")
+        return ()
+    names = tuple(item for item in value if isinstance(item, str))
+    if len(names) != len(value):
+        warnings.append(f"{where}: {len(value) - len(names)} Resources entry(ies) not a string; ignored")
+    return names
+
+
+def _duration(raw: Mapping[str, Any], where: str, warnings: list[str]) -> int | None:
+    if "DurationInSeconds" not in raw:
+        return None
+    value = raw["DurationInSeconds"]
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"-?\d{1,12}", value.strip()):
+        number = int(value)
+    if number is None or not -1 <= number <= MAX_DURATION:
+        warnings.append(f"{where}: DurationInSeconds {shown(value)} is not -1 or a whole number of seconds up to "
+                        f"{MAX_DURATION}; read as unknown")
+        return None
+    return number
 
 
 def _parse_event(raw: Any, where: str, warnings: list[str]) -> Event:
     if not isinstance(raw, dict):
         raise DocumentError(f"{where} must be an object, got {type(raw).__name__}")
     event_id = _required_str(raw, "EventId", where)
-    resources_raw = raw.get("Resources", [])
-    if not isinstance(resources_raw, list) or not all(isinstance(r, str) for r in resources_raw):
-        raise DocumentError(f"{where}.Resources must be a list of strings")
+    where = f"{where} ({event_id})"
 
     not_before: datetime | None = None
-    not_before_raw = _optional_str(raw, "NotBefore", where)
+    not_before_raw = _optional_str(raw, "NotBefore", where, warnings)
     if not_before_raw:
         try:
             not_before = parse_not_before(not_before_raw)
         except ValueError as exc:
             # Keep the event: losing it would be worse than losing its countdown.
-            warnings.append(f"{where} ({event_id}): {exc}")
-
-    duration: int | None = None
-    if "DurationInSeconds" in raw:
-        value = raw["DurationInSeconds"]
-        if isinstance(value, int) and not isinstance(value, bool):
-            duration = value
-        elif isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
-            duration = int(value)
-        else:
-            warnings.append(f"{where} ({event_id}): DurationInSeconds {value!r} is not a whole number")
+            warnings.append(f"{where}: {exc}")
 
     return Event(
         event_id=event_id,
         event_type=_required_str(raw, "EventType", where),
         status=_required_str(raw, "EventStatus", where),
-        resource_type=_optional_str(raw, "ResourceType", where) or "",
-        resources=tuple(resources_raw),
+        resource_type=_optional_str(raw, "ResourceType", where, warnings) or "",
+        resources=_resources(raw, where, warnings),
         not_before=not_before,
-        description=_optional_str(raw, "Description", where),
-        source=_optional_str(raw, "EventSource", where),
-        duration_seconds=duration,
+        description=_optional_str(raw, "Description", where, warnings),
+        source=_optional_str(raw, "EventSource", where, warnings),
+        duration_seconds=_duration(raw, where, warnings),
         raw=dict(raw),
     )
 
 
 def _parse_incarnation(value: Any) -> int:
+    number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    raise DocumentError(f"DocumentIncarnation must be a whole number, got {value!r}")
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"\d{1,16}", value.strip()):
+        number = int(value)
+    if number is None or not 0 <= number <= MAX_INCARNATION:
+        raise DocumentError(f"DocumentIncarnation must be a whole number from 0 to 2**53, got {shown(value)}")
+    return number
 
 
 def parse_document(payload: bytes | str | Mapping[str, Any]) -> Document:
-    """Build a `Document` from an IMDS reply body (bytes or text) or an already decoded object."""
-    if isinstance(payload, (bytes, str)):
-        try:
-            data: Any = json.loads(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise DocumentError(f"reply is not JSON: {exc}") from None
-    else:
-        data = payload
+    """Build a `Document` from an IMDS reply body (bytes or text) or an already decoded object.
+
+    Raises DocumentError, and nothing else, for any input that is not a usable document.
+    """
+    try:
+        data, warnings = decode_reply(payload) if isinstance(payload, (bytes, str)) else check_value(payload)
+    except ReplyError as exc:
+        raise DocumentError(str(exc)) from None
     if not isinstance(data, dict):
         raise DocumentError(f"document must be a JSON object, got {type(data).__name__}")
     if "DocumentIncarnation" not in data:
@@ -197,8 +241,9 @@ def parse_document(payload: bytes | str | Mapping[str, Any]) -> Document:
     events_raw = data.get("Events")
     if not isinstance(events_raw, list):
         raise DocumentError("Events must be a list")
+    if len(events_raw) > MAX_EVENTS:
+        raise DocumentError(f"{len(events_raw)} events, more than the {MAX_EVENTS} forewarn accepts")
 
-    warnings: list[str] = []
     events = tuple(_parse_event(item, f"Events[{i}]", warnings) for i, item in enumerate(events_raw))
     seen: set[str] = set()
     for event in events:
