@@ -145,6 +145,7 @@ _MIGRATION = "Virtual machine is being paused because of a memory-preserving Liv
 _HOST_REBOOT = "Virtual machine is going to be restarted as requested by authorized user."
 _REDEPLOY = "Virtual machine is going to be redeployed as requested by authorized user."
 _DEGRADED = "Virtual machine is scheduled to be redeployed because the host it runs on shows degraded hardware."
+_FAILED_HOST = "Virtual machine is being moved to another host because its host failed."
 
 _BUILTIN: dict[str, dict[str, Any]] = {
     "live-migration": {
@@ -199,6 +200,60 @@ _BUILTIN: dict[str, dict[str, Any]] = {
         "vms": ["vm-0", "vm-1"],
         "events": [{"at": 2, "type": "Reboot", "notice": 900, "run_for": 600, "resources": ["vm-1"],
                     "description": "Host server is undergoing maintenance."}],
+    },
+    "hardware-redeploy": {
+        "summary": "A host failure moves the VM to another node: Redeploy Started at once, Scheduled skipped.",
+        "events": [{"at": 2, "type": "Redeploy", "notice": None, "run_for": 600, "description": _FAILED_HOST}],
+    },
+    "policy-auto-approved": {
+        # IMDS.md: with auto-approval the event is already Started when it first appears.
+        "summary": "A user restart, then a user redeploy, auto-approved by a Scheduled Events Policy: "
+                   "each appears Started.",
+        "events": [{"at": 2, "type": "Reboot", "source": "User", "notice": None, "run_for": 300,
+                    "description": _HOST_REBOOT},
+                   {"at": 360, "type": "Redeploy", "source": "User", "notice": None, "run_for": 300,
+                    "description": _REDEPLOY}],
+    },
+    "reboot-becomes-freeze": {
+        # The docs say only that a Reboot may turn out to be a freeze, not how the document shows it; this
+        # models it as the Reboot leaving the document in the same incarnation as a new Freeze arrives,
+        # which keeps the Reboot's NotBefore (42 + 860 = 2 + 900).
+        "summary": "A Reboot withdrawn as a short Freeze (new EventId, same NotBefore) appears, in one "
+                   "incarnation (modelled: the docs do not say how this shows).",
+        "events": [{"at": 2, "type": "Reboot", "notice": 900, "cancel_after": 40,
+                    "description": "Host server is undergoing maintenance."},
+                   {"at": 42, "type": "Freeze", "notice": 860, "duration": 5, "run_for": 15,
+                    "description": _MIGRATION}],
+    },
+    "terminate-long-notice": {
+        "summary": "A scale-set instance being deleted with the longest terminate notification (15 min).",
+        "vm_name": "vmss_3", "vms": ["vmss_3"],
+        "events": [{"at": 2, "type": "Terminate", "source": "User", "notice": 900, "run_for": 120,
+                    "description": "Virtual machine is being deleted."}],
+    },
+    "spot-short-notice": {
+        # Appears 10 s in, so a collector started with the simulator is already polling: the point of
+        # this drill is how soon a short notice is reported.
+        "summary": "A Spot VM evicted with only 6 s notice (Preempt is best effort, often under 10 s).",
+        "events": [{"at": 10, "type": "Preempt", "notice": 6, "duration": None, "run_for": 15,
+                    "description": "Spot virtual machine is being evicted."}],
+    },
+    "scale-set-hosts": {
+        # Hosts are maintained one after another (different fault domains), so the Started phases follow
+        # each other; this VM (web_1) is on host A and also has a restart of its own asked for.
+        "summary": "Events for three hosts of a scale set and a user restart in one document; two of the "
+                   "four affect this VM (web_1).",
+        "vm_name": "web_1", "vms": ["web_0", "web_1", "web_2", "web_3", "web_4", "web_5"],
+        "events": [
+            {"at": 2, "type": "Freeze", "notice": 900, "duration": 5, "run_for": 300,
+             "resources": ["web_0", "web_1", "web_2"], "description": _MIGRATION},
+            {"at": 2, "type": "Reboot", "notice": 1200, "run_for": 300, "resources": ["web_3", "web_4"],
+             "description": "Host server is undergoing maintenance."},
+            {"at": 2, "type": "Redeploy", "notice": 1500, "run_for": 300, "resources": ["web_5"],
+             "description": _DEGRADED},
+            {"at": 2, "type": "Reboot", "source": "User", "notice": 1800, "run_for": 300, "resources": ["web_1"],
+             "description": _HOST_REBOOT},
+        ],
     },
     "quiet": {"summary": "No events at all.", "events": []},
     "tour": {
