@@ -72,6 +72,11 @@ def series(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     return [dict(labels) for (n, labels) in samples if n == name]
 
 
+def outbox_backlog(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
+    """Records waiting for delivery, over every sink (0 once everything was delivered)."""
+    return sum(value for (name, _), value in samples.items() if name == "azure_scheduled_events_outbox_records")
+
+
 class SimulatorHandle:
     def __init__(self, scenario: Scenario | str, speed: float = 1.0, **kwargs: Any) -> None:
         if isinstance(scenario, str):
