@@ -288,3 +288,28 @@ def test_records_match_what_the_stdout_sink_prints(simulator: Callable[..., Simu
     assert any("starting with" in entry["message"] for entry in logs)
 
 
+
+
+def test_simulated_run_without_a_state_dir_removes_its_temporary_state_at_stop(tmp_path: Path) -> None:
+    import os
+    import signal
+    import sys
+
+    from forewarn.store import DB_FILE
+
+    from conftest import free_port
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "run", "--simulate", "quiet", "--listen-address",
+                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        (state,) = wait_until(lambda: list(scratch.glob("forewarn-sim-*")), timeout=10, message="the state dir")
+        wait_until(lambda: (state / DB_FILE).exists(), timeout=10, message="the store in it")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err.decode(errors="replace")
+    assert list(scratch.iterdir()) == [], "a simulated run keeps nothing once stopped"

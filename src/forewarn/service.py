@@ -325,6 +325,7 @@ def run_collector(settings: Settings) -> int:
     sinks = build_sinks(settings.sink, settings)
     host, port = parse_listen_address(settings.listen_address)
     simulator_server = None
+    scratch: tempfile.TemporaryDirectory[str] | None = None  # a simulated run's state, removed at stop
     endpoint = settings.imds_endpoint
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     if settings.simulate:
@@ -342,7 +343,8 @@ def run_collector(settings: Settings) -> int:
         simulator_server.serve_in_background()
         endpoint = simulator_server.url
         if state_dir is None:
-            state_dir = Path(tempfile.mkdtemp(prefix="forewarn-sim-"))
+            scratch = tempfile.TemporaryDirectory(prefix="forewarn-sim-", ignore_cleanup_errors=True)
+            state_dir = Path(scratch.name)
         log.info("simulator: scenario %s at %gx speed on %s", scenario.name, settings.speed, endpoint)
     elif endpoint == "discover":
         from forewarn.imds.discovery import discover_endpoint
@@ -406,6 +408,8 @@ def run_collector(settings: Settings) -> int:
         client.close()
         if simulator_server is not None:
             simulator_server.stop()
+        if scratch is not None:
+            scratch.cleanup()
         log.info("stopped")
     return 0
 
