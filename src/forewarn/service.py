@@ -25,7 +25,7 @@ from forewarn import __version__
 from forewarn.approver import Approver
 from forewarn.config import ConfigError, Settings, parse_listen_address
 from forewarn.delivery import DeliveryWorker, StoreRef
-from forewarn.imds.client import Backoff, ImdsClient, ImdsError
+from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import StateLog
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 STORE_RETRY_SECONDS = 30.0
 #: Until instance metadata has been read once, how often to try again.
 COMPUTE_RETRY_SECONDS = 60.0
+#: While IMDS fails, polls are at least this far apart (at most 2 requests/s during an outage).
+OUTAGE_PACE = 0.5
+#: Distinct document warnings remembered so that each is logged once; the set is reset beyond this.
+MAX_REMEMBERED_WARNINGS = 1000
 
 
 class ChangeListener(Protocol):
@@ -81,7 +85,7 @@ class Collector:
                      "approvals", client.shortest_poll_interval, poll_interval)
             poll_interval = client.shortest_poll_interval
         self.poll_interval = poll_interval
-        self.backoff = Backoff(base=poll_interval, cap=max(max_backoff, poll_interval))
+        self.max_backoff = max(max_backoff, poll_interval)
         self.compute_refresh = compute_refresh
         self.clock = clock
         self.listeners: list[ChangeListener] = []
@@ -126,6 +130,8 @@ class Collector:
                 self._try_disk_store()
         try:
             document = self.client.get_scheduled_events()
+        except Stopped:
+            return 0.0
         except ImdsError as exc:
             return self._poll_failed(exc.kind, str(exc), exc.retry_after, retryable=exc.retryable)
         except DocumentError as exc:
@@ -137,23 +143,30 @@ class Collector:
         return self.poll_interval
 
     def _poll_failed(self, key: str, message: str, retry_after: float | None, retryable: bool) -> float:
+        """The wait before the next poll after a failed one.
+
+        Outages of IMDS are measured in seconds (410 while it updates, 5xx, resets), and a Spot eviction
+        gives 30 s or less: backing off by the number of failures left forewarn blind for up to the cap
+        after IMDS recovered. So a failed poll is retried at the normal pace, never faster than
+        OUTAGE_PACE (IMDS is per host and not shared, so there is no herd to spread), and later only when
+        IMDS asks for it with Retry-After (capped by --imds-max-backoff).
+        """
         self._failures += 1
         self.metrics.views.update(imds_up=False)
         kept = len(self.tracker.current.events) if self.tracker.current else 0
         self._imds_log.failing(key, f"{message}; keeping the last known {kept} event(s)")
-        if not retryable:
-            # 400/404 and friends will not clear by themselves soon; poll on at the normal pace.
-            return self.poll_interval
-        delay = self.backoff.delay(self._failures - 1)
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, self.backoff.cap))
-        return max(delay, self.poll_interval / 2)
+        delay = max(self.poll_interval, OUTAGE_PACE)
+        if retryable and retry_after is not None:
+            delay = max(delay, min(retry_after, self.max_backoff))
+        return delay
 
     def handle_document(self, document: Document, now: float) -> list[Change]:
         """Everything that follows from one good document."""
         for warning in document.warnings:
             self.metrics.document_warnings.inc()
             if warning not in self._warned:
+                if len(self._warned) >= MAX_REMEMBERED_WARNINGS:
+                    self._warned.clear()  # a reply that changes every second cannot grow memory
                 self._warned.add(warning)
                 log.warning("document: %s (event kept)", warning)
         changes = self.tracker.apply(document)
@@ -281,7 +294,9 @@ class Collector:
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        """Poll at a steady cadence until `stop` is set."""
+        """Poll at a steady cadence until `stop` is set; setting it also ends a request under way."""
+        if self.client.stop is None:
+            self.client.stop = stop
         next_poll = time.monotonic()
         while not stop.is_set():
             started = time.monotonic()
@@ -370,7 +385,8 @@ def run_collector(settings: Settings) -> int:
         metrics.imds_requests.labels(method, code).inc()
         metrics.imds_duration.labels(method).observe(seconds)
 
-    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe)
+    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe,
+                        max_reply_bytes=settings.imds_max_reply_bytes)
     collector = Collector(client, metrics, store, state_dir, workers, stores=stores, vm_name=settings.vm_name,
                           poll_interval=settings.poll_interval, max_backoff=settings.imds_max_backoff,
                           compute_refresh=settings.compute_refresh, store_writable=writable)
