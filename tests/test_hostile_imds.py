@@ -7,6 +7,7 @@ still runs, /metrics answers, and the next valid event is reported promptly.
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import threading
@@ -89,7 +90,8 @@ def test_stop_interrupts_a_connect_that_gets_no_answer() -> None:
     assert elapsed < 0.9
 
 
-@pytest.mark.parametrize("behaviour", [Huge(50 * 1024 * 1024), Endless()], ids=["content-length-50MB", "endless-chunked"])
+@pytest.mark.parametrize("behaviour", [Huge(50 * 1024 * 1024), Endless()],
+                         ids=["content-length-50MB", "endless-chunked"])
 def test_a_reply_past_the_size_cap_is_an_error_and_the_connection_is_dropped(imds: HostileImds,
                                                                             behaviour: Behaviour) -> None:
     codes: list[str] = []
@@ -241,5 +243,5 @@ def test_retry_after_is_honoured(imds: HostileImds, collector: Callable[..., Col
     wait_until(lambda: len([r for r in imds.events_requests() if r.at >= began]) >= 3, timeout=15,
                message="three requests")
     times = [r.at for r in imds.events_requests() if r.at >= began][:3]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert all(gap >= 2.9 for gap in gaps), gaps
