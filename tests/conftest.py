@@ -20,6 +20,37 @@ from prometheus_client.parser import text_string_to_metric_families
 from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.simulator.scenarios import Scenario, parse_scenario
 
+pytest_plugins = ["pytester"]  # tests/test_temp_guard.py runs the guard below in a pytest of its own
+
+#: Names in the guarded temp dir that are pytest's own (a --basetemp left at its default lives elsewhere).
+PYTEST_OWNED = ("pytest-of-",)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_dir_guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point TMPDIR and tempfile at a fresh directory for the session; fail the session if a test (or a
+    process it started) leaves anything there. Tests keep their files under tmp_path, which stays outside."""
+    import shutil
+    import tempfile
+
+    tmp_path_factory.getbasetemp()  # created now, in the real temp dir, so tmp_path is never under the guard
+    guarded = Path(tempfile.mkdtemp(prefix="forewarn-tests-"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(guarded)
+    try:
+        yield guarded
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        left = sorted(path.name for path in guarded.iterdir() if not path.name.startswith(PYTEST_OWNED))
+        shutil.rmtree(guarded, ignore_errors=True)
+    if left:
+        pytest.fail(f"tests left {len(left)} item(s) in the temp dir (keep files under tmp_path): "
+                    + ", ".join(left), pytrace=False)
+
 
 def require_tool(name: str, installed_by: str) -> str:
     """A tool's path; skips locally when it is missing, but fails in CI, where scripts/test installs it."""
