@@ -245,3 +245,28 @@ def test_retry_after_is_honoured(imds: HostileImds, collector: Callable[..., Col
     times = [r.at for r in imds.events_requests() if r.at >= began][:3]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert all(gap >= 2.9 for gap in gaps), gaps
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE if n not in ("trickle", "endless-chunked")])
+def test_events_command_reports_a_hostile_reply_without_a_traceback(imds: HostileImds, name: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.cli import main
+
+    imds.behaviour = HOSTILE[name]
+    code = main(["events", "--imds-endpoint", imds.url, "--timeout", "1"])
+    out, err = capsys.readouterr()
+    assert code in (0, 1), (code, err)
+    assert "Traceback" not in err
+    if code == 1:
+        assert err.startswith("forewarn events: ") and len(err.splitlines()) == 1, err
+    else:
+        assert "DocumentIncarnation" in out
+
+
+def test_events_table_escapes_control_characters(imds: HostileImds, capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.cli import main
+
+    imds.behaviour = Reply(body=document(1, event("E\x1b[2J", Description="line\nforged")))
+    assert main(["events", "--imds-endpoint", imds.url]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "E\\x1b[2J" in out and "line\\nforged" in out

@@ -126,6 +126,10 @@ def _ago(seconds: float) -> str:
     return sign + text + suffix
 
 
+def _printable(text: str) -> str:
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def format_table(document: Document, vm_name: str | None, now: datetime) -> str:
     """The document as a plain-text table for people."""
     lines = [f"DocumentIncarnation {document.incarnation}: {len(document.events)} event(s)"]
@@ -145,9 +149,11 @@ def format_table(document: Document, vm_name: str | None, now: datetime) -> str:
         description = event.description or ""
         rows.append((event.event_id, event.event_type, event.status, event.source or "-", not_before, duration,
                      resources, description[:60] + ("..." if len(description) > 60 else "")))
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    # Strings come from IMDS: escape control characters so a reply cannot move the cursor or forge lines.
+    shown = [tuple(_printable(str(cell)) for cell in row) for row in rows]
+    widths = [max(len(str(row[i])) for row in [header, *shown]) for i in range(len(header))]
     lines.append("")
-    for row in [header, *rows]:
+    for row in [header, *shown]:
         lines.append("  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
     if vm_name:
         lines.append(f"\n* = this VM ({vm_name})")

@@ -182,8 +182,14 @@ class Metrics:
         self.views.set_backlog(name, Backlog(records=0, oldest_created=None))
 
 
+#: Longest label value shown (the description): a long one would be repeated in every scrape.
+MAX_LABEL_CHARS = 512
+
+
 def _label(value: str | None) -> str:
-    return value if value is not None else ""
+    if value is None:
+        return ""
+    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS - 3] + "..."
 
 
 class DocumentCollector(Collector):
