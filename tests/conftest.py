@@ -108,6 +108,22 @@ def outbox_backlog(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
     return sum(value for (name, _), value in samples.items() if name == "azure_scheduled_events_outbox_records")
 
 
+def wait_for_polls(proc: CollectorProcess, count: int = 3) -> None:
+    """Wait until `proc` has made `count` more good polls: the way to check that something did NOT happen,
+    since whatever the collector (or its approver) would do about the current document it does within a poll."""
+    def polls() -> float:
+        return sample(proc.metrics(), "azure_scheduled_events_imds_requests_total", method="GET", code="200") or 0
+
+    target = polls() + count
+    wait_until(lambda: polls() >= target, timeout=10 + count * 2, message=f"{count} more polls")
+
+
+def wait_settled(proc: CollectorProcess, count: int = 2) -> None:
+    """Wait for `count` more polls and then for every sink to have taken every record."""
+    wait_for_polls(proc, count)
+    wait_until(lambda: outbox_backlog(proc.metrics()) == 0, timeout=20, message="an empty outbox")
+
+
 class SimulatorHandle:
     def __init__(self, scenario: Scenario | str, speed: float = 1.0, **kwargs: Any) -> None:
         if isinstance(scenario, str):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import CollectorProcess, SimulatorHandle, sample, wait_until
+from conftest import CollectorProcess, SimulatorHandle, sample, wait_for_polls, wait_until
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).parent.parent / "examples" / "policies"
@@ -44,7 +44,7 @@ def test_approved_event_starts_early(simulator: Callable[..., SimulatorHandle],
     assert sample(proc.metrics(), "azure_scheduled_events_approvals_total", event_type="Reboot",
                   result="approved") == 1
     wait_until(lambda: any(r["data"]["change"] == "updated" for r in proc.records()), timeout=5)
-    time.sleep(1)
+    wait_for_polls(proc)
     assert len(sim.sim.approval_posts) == 1, "no second approval once it started"
 
 
@@ -52,11 +52,10 @@ def test_held_event_waits_for_not_before(simulator: Callable[..., SimulatorHandl
                                          collector: Callable[..., CollectorProcess]) -> None:
     sim = simulator("platform-reboot")
     proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"))
-    wait_until(lambda: proc.records(), timeout=10)
-    time.sleep(2)
+    wait_until(lambda: "rule everything-else holds it" in proc.log(), timeout=10, message="the hold decision")
+    wait_for_polls(proc)
     assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
     assert approved_records(proc) == []
-    assert "rule everything-else holds it" in proc.log()
 
 
 def test_dry_run_decides_and_records_but_sends_nothing(simulator: Callable[..., SimulatorHandle],
@@ -65,7 +64,7 @@ def test_dry_run_decides_and_records_but_sends_nothing(simulator: Callable[..., 
     proc = collector(sim.url, "--policy", str(EXAMPLES / "docs-sample.yaml"), "--dry-run")
     (record,) = wait_until(lambda: approved_records(proc), timeout=10)
     assert record["data"]["dry_run"] is True and record["data"]["policy_rule"] == "user-initiated"
-    time.sleep(1.5)
+    wait_for_polls(proc)
     assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
     assert len(approved_records(proc)) == 1, "a dry-run approval is recorded once"
     assert sample(proc.metrics(), "azure_scheduled_events_approvals_total", event_type="Reboot",
@@ -77,7 +76,7 @@ def test_no_policy_never_approves(simulator: Callable[..., SimulatorHandle],
     sim = simulator("user-reboot")
     proc = collector(sim.url)
     wait_until(lambda: proc.records(), timeout=10)
-    time.sleep(1.5)
+    wait_for_polls(proc)
     assert sim.sim.approval_posts == []
 
 
@@ -136,10 +135,10 @@ def test_failing_hook_blocks_approval(tmp_path: Path, simulator: Callable[..., S
     sim = simulator("platform-reboot")
     policy, hook_log = hook_policy(tmp_path, 3)
     proc = collector(sim.url, "--policy", policy)
-    wait_until(lambda: hook_log.exists(), timeout=10)
-    time.sleep(2)
+    wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                              result="failure") == 1, timeout=15, message="the failed hook counted")
+    wait_for_polls(proc)
     assert sim.sim.approval_posts == [] and status(sim) == ["Scheduled"]
-    assert sample(proc.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare", result="failure") == 1
     assert len(hook_log.read_text().splitlines()) == 1, "a failed hook is not re-run every poll"
     assert "exited with 3" in proc.log()
 
@@ -150,6 +149,11 @@ def test_failing_hook_may_be_set_to_approve_anyway(tmp_path: Path, simulator: Ca
     policy, _ = hook_policy(tmp_path, 3, on_failure="approve")
     collector(sim.url, "--policy", policy)
     wait_until(lambda: sim.sim.approval_posts, timeout=15)
+
+
+def saw_started(proc: CollectorProcess) -> bool:
+    return any(r["data"]["change"] == "updated" and r["data"]["event"]["EventStatus"] == "Started"
+               for r in proc.records())
 
 
 USER_EVENT = {**TWO_VMS, "events": [{"at": 1, "type": "Reboot", "source": "User", "notice": 900, "run_for": 60}]}
@@ -168,7 +172,10 @@ def test_two_vms_approve_exactly_once(mode: str, tmp_path: Path, simulator: Call
     primary = collector(sim.url, "--policy", policy, "--vm-name", "vm-0", name="vm0")
     secondary = collector(sim.url, "--policy", policy, "--vm-name", "vm-1", name="vm1")
     wait_until(lambda: status(sim) == ["Started"], timeout=15)
-    time.sleep(4)  # past the secondary's turn
+    # Once each has seen the event Started, neither can approve it any more (only Scheduled events are).
+    for proc in (primary, secondary):
+        wait_until(lambda: saw_started(proc), timeout=10, message="Started seen")  # noqa: B023 (called at once)
+        wait_for_polls(proc, 1)
     assert len(sim.sim.approval_posts) == 1
     assert len(approved_records(primary)) == 1 and approved_records(secondary) == []
 
@@ -190,10 +197,9 @@ def test_first_mode_secondary_never_approves_alone(tmp_path: Path, simulator: Ca
                                                    collector: Callable[..., CollectorProcess]) -> None:
     sim = simulator(USER_EVENT)
     secondary = collector(sim.url, "--policy", leader_policy(tmp_path, "first"), "--vm-name", "vm-1", name="vm1")
-    wait_until(lambda: secondary.records(), timeout=10)
-    time.sleep(4)
+    wait_until(lambda: "leader mode first: vm-0 approves" in secondary.log(), timeout=10, message="the hold")
+    wait_for_polls(secondary)
     assert sim.sim.approval_posts == []
-    assert "leader mode first: vm-0 approves" in secondary.log()
 
 
 def test_bad_policy_stops_start_up_with_its_position(tmp_path: Path) -> None:
@@ -262,10 +268,9 @@ def test_approval_cap_holds_what_exceeds_it(tmp_path: Path, simulator: Callable[
     policy = write_policy(tmp_path, "max_approvals_per_hour: 1\n"
                           "rules: [{name: user, match: {source: [User]}, action: approve}]\n")
     proc = collector(sim.url, "--policy", policy)
-    wait_until(lambda: sim.sim.approval_posts, timeout=15)
-    time.sleep(2)
+    wait_until(lambda: "approval cap reached (1 per hour)" in proc.log(), timeout=15, message="the cap")
+    wait_for_polls(proc)
     assert [len(post["event_ids"]) for post in sim.sim.approval_posts] == [1]
-    assert "approval cap reached (1 per hour)" in proc.log()
 
 
 def test_failed_post_is_counted_and_retried(simulator: Callable[..., SimulatorHandle],
@@ -295,7 +300,7 @@ class _Webhook:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 hook.bodies.append(json.loads(self.rfile.read(length)))
-                time.sleep(delay)
+                time.sleep(delay)  # the scenario: a slow webhook
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -348,13 +353,14 @@ def test_webhook_error_status_and_hook_timeout_hold_the_approval(
         sim = simulator("platform-reboot")
         first = collector(sim.url, "--policy", webhook_policy(tmp_path, refusing.url), name="a")
         second = collector(sim.url, "--policy", webhook_policy(tmp_path, slow.url, timeout=1), name="b")
-        wait_until(lambda: refusing.bodies and slow.bodies, timeout=10)
-        time.sleep(3)
+        wait_until(lambda: sample(first.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                                  result="failure") == 1, timeout=10, message="the refused webhook counted")
+        wait_until(lambda: sample(second.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
+                                  result="timeout") == 1, timeout=10, message="the webhook timeout counted")
+        wait_for_polls(first)
+        wait_for_polls(second)
         assert sim.sim.approval_posts == []
-        assert sample(first.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
-                      result="failure") == 1
-        assert sample(second.metrics(), "azure_scheduled_events_hook_runs_total", hook="prepare",
-                      result="timeout") == 1
+        assert len(refusing.bodies) == len(slow.bodies) == 1, "a failed hook is not run again"
     finally:
         refusing.stop()
         slow.stop()

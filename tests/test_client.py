@@ -14,7 +14,7 @@ from forewarn import __version__
 from forewarn.imds.client import Backoff, ImdsClient, ImdsError, RateLimiter, with_retries
 from forewarn.imds.document import DocumentError
 
-from conftest import SimulatorHandle
+from conftest import SimulatorHandle, wait_until
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -81,7 +81,7 @@ def test_a_connection_closed_by_the_server_while_idle_is_replaced(recorder: str)
     client = ImdsClient(recorder)
     client.get_scheduled_events()
     client.get_scheduled_events()
-    time.sleep(0.5)  # the keep-alive server has closed the connection by now
+    time.sleep(0.5)  # the scenario: idle past the keep-alive server's 0.2 s timeout, so that it closes
     assert client.get_scheduled_events().incarnation == 1
     assert len(Recorder.seen) == 3
 
@@ -100,8 +100,7 @@ def test_proxy_settings_in_the_environment_are_bypassed(recorder: str, monkeypat
 def test_reads_documents_and_instance_metadata(simulator: Callable[..., SimulatorHandle]) -> None:
     sim = simulator("live-migration", speed=100)
     client = ImdsClient(sim.url)
-    time.sleep(0.1)
-    document = client.get_scheduled_events()
+    document = wait_until(lambda: (d := client.get_scheduled_events()).events and d, timeout=5, message="the event")
     assert document.events[0].event_type == "Freeze"
     vm = client.get_compute()
     assert vm.name == "WestNO_0" and vm.vm_scale_set == "WestNO" and vm.resource_id.startswith("/subscriptions/")
@@ -249,7 +248,8 @@ def test_an_approval_does_not_wait_behind_polls_that_use_the_budget(
 
     poller = threading.Thread(target=poll)
     poller.start()
-    time.sleep(1.5)  # polling as fast as the budget allows
+    # polling as fast as the budget allows: wait until it has used more than one second's budget
+    wait_until(lambda: sum(sim.sim.requests.values()) >= 6, timeout=10, message="the budget in use")
     started = time.monotonic()
     client.start_events(["E1"])
     waited = time.monotonic() - started

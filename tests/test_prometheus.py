@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,11 +112,12 @@ def test_every_dashboard_query_returns_data_during_a_scenario(tmp_path: Path) ->
     running = Stack(tmp_path, str(scenario), speed=1)
     try:
         wait_until(lambda: len(running.query("azure_scheduled_event_info")) == 2, timeout=30)
-        time.sleep(6)  # a few scrapes, so that rates have two points
         for board, title, expr in dashboard_queries():
             concrete = (expr.replace("$vm_scale_set", ".*").replace("$location", ".*").replace("$vm", ".*")
                         .replace("$__rate_interval", "5s"))
-            assert running.query(concrete), f"{board} / {title}: no data for {concrete}"
+            # rates need two scrapes inside their range: wait for them rather than for a fixed time
+            wait_until(lambda: running.query(concrete), timeout=15,  # noqa: B023 (called at once)
+                       message=f"{board} / {title}: data for {concrete}")
     finally:
         running.stop()
 
@@ -130,6 +130,9 @@ def test_every_alert_expression_evaluates_against_real_data(stack: Stack) -> Non
     for rule in rules:
         assert rule["health"] in ("ok", "unknown"), rule
         stack.query(rule["query"])  # parses and evaluates without error
-    time.sleep(2)
-    groups = requests.get(f"{stack.api}/rules", timeout=5).json()["data"]["groups"]
-    assert all(rule["health"] == "ok" for group in groups for rule in group["rules"])
+
+    def all_evaluated() -> bool:
+        groups = requests.get(f"{stack.api}/rules", timeout=5).json()["data"]["groups"]
+        return all(rule["health"] == "ok" for group in groups for rule in group["rules"])
+
+    wait_until(all_evaluated, timeout=15, message="every rule evaluated with health ok")
