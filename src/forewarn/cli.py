@@ -18,7 +18,20 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from forewarn import DEFAULT_API_VERSION, __version__
-from forewarn.config import RUN_OPTIONS, ConfigError, add_options, parse_listen_address, resolve
+from forewarn.config import (
+    REQUEST_TIMEOUT,
+    RUN_OPTIONS,
+    SEED,
+    SPEED,
+    ConfigError,
+    add_options,
+    argument_type,
+    endpoint_url,
+    listen_address,
+    parse_listen_address,
+    read_text_file,
+    resolve,
+)
 from forewarn.imds.client import DEFAULT_ENDPOINT, ImdsClient, ImdsError, with_retries
 from forewarn.imds.document import API_VERSIONS, Document, DocumentError
 from forewarn.logs import setup_logging
@@ -35,12 +48,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _endpoint_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--imds-endpoint", default=DEFAULT_ENDPOINT, metavar="URL",
+    parser.add_argument("--imds-endpoint", type=argument_type(endpoint_url), default=DEFAULT_ENDPOINT, metavar="URL",
                         help=f"IMDS base URL or 'discover' (default {DEFAULT_ENDPOINT})")
     parser.add_argument("--api-version", default=DEFAULT_API_VERSION, choices=API_VERSIONS, metavar="V",
                         help=f"Scheduled Events API version (default {DEFAULT_API_VERSION})")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="per-request timeout (default 10)")
+    parser.add_argument("--timeout", type=argument_type(REQUEST_TIMEOUT), default=10.0, metavar="SECONDS",
+                        help=f"per-request timeout, {REQUEST_TIMEOUT.valid} (default 10)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,14 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Serve a simulated IMDS (Scheduled Events and instance metadata).")
     sim.add_argument("scenario", nargs="?", default="tour",
                      help="built-in scenario name or a YAML/JSON scenario file (default: tour)")
-    sim.add_argument("--listen-address", default=SIMULATOR_LISTEN, metavar="HOST:PORT",
-                     help=f"where to serve (default {SIMULATOR_LISTEN})")
-    sim.add_argument("--speed", type=float, default=1.0, metavar="FACTOR",
-                     help="how much faster than real time the scenario runs (default 1)")
+    sim.add_argument("--listen-address", type=argument_type(listen_address), default=SIMULATOR_LISTEN,
+                     metavar="HOST:PORT", help=f"where to serve: HOST:PORT, :PORT or [IPv6]:PORT; port 0 picks a "
+                     f"free port, logged at start (default {SIMULATOR_LISTEN})")
+    sim.add_argument("--speed", type=argument_type(SPEED), default=1.0, metavar="FACTOR",
+                     help=f"how much faster than real time the scenario runs, {SPEED.valid} (default 1)")
     sim.add_argument("--fault", action="append", default=[], metavar="KIND:VALUE",
                      help="inject faults: 500:0.1, 429:0.05, 410:0.02, reset:0.05, malformed:0.01, "
                      "timeout:0.01, latency:0.2, slow-first:30 (repeatable)")
-    sim.add_argument("--seed", type=int, default=None, help="random seed for fault injection")
+    sim.add_argument("--seed", type=argument_type(SEED), default=None,
+                     help=f"random seed for fault injection, {SEED.valid}")
     sim.add_argument("--no-rate-limit", action="store_true", help="do not answer 429 beyond 5 requests/s")
     sim.add_argument("--list", action="store_true", help="list the built-in scenarios and exit")
     sim.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -166,8 +181,6 @@ def _client_for(args: argparse.Namespace) -> ImdsClient:
         from forewarn.imds.discovery import discover_endpoint
 
         endpoint = discover_endpoint()
-    elif not endpoint.startswith(("http://", "https://")):
-        raise ConfigError(f"--imds-endpoint {endpoint!r}: expected http://HOST[:PORT] or 'discover'")
     return ImdsClient(endpoint, args.api_version, timeout=args.timeout, first_timeout=max(args.timeout, 120))
 
 
@@ -238,11 +251,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if args.document:
         from forewarn.imds.document import parse_document
 
+        text = read_text_file(args.document, "--document")
         try:
-            with open(args.document, encoding="utf-8") as handle:
-                document = parse_document(handle.read())
-        except OSError as exc:
-            raise ConfigError(f"--document {args.document}: cannot read ({exc.strerror or exc})") from None
+            document = parse_document(text)
         except DocumentError as exc:
             raise ConfigError(f"--document {args.document}: {exc}") from None
     else:
@@ -282,8 +293,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"{name:24} {scenario.summary}")
         return 0
     setup_logging("text", args.log_level)
-    if args.speed <= 0:
-        raise ConfigError(f"--speed {args.speed:g}: must be greater than 0")
     faults = Faults(seed=args.seed)
     try:
         for spec in args.fault:

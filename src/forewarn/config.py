@@ -8,6 +8,8 @@ a bad one stops start-up with a message naming where it came from and what would
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import math
 import os
 import re
 import sys
@@ -44,21 +46,76 @@ def default_state_dir() -> str:
     return "/var/lib/forewarn"
 
 
-def _positive(kind: Callable[[str], Any], minimum: float = 0.0) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        value = kind(text)
-        if value <= minimum:
-            raise ValueError(f"must be greater than {minimum:g}")
+@dataclass(frozen=True)
+class Number:
+    """A finite number from `low` to `high` (both allowed); `whole` for counts and sizes.
+
+    Used as an option's converter and, through `argument_type`, as an argparse `type`. NaN and infinity
+    never pass: a NaN compares false with every bound, so it would slip through a plain `value < low` and
+    then turn a sleep or a deadline into a hang or a crash far from the option that caused it.
+    """
+
+    low: float
+    high: float
+    whole: bool = False
+    unit: str = ""
+    why_low: str = ""              # said when the value is below `low`, e.g. the limit it protects
+
+    @property
+    def valid(self) -> str:
+        """The range as people read it, e.g. "0.2 to 3600 seconds"; shown in help and in errors."""
+        kind = "whole number " if self.whole else ""
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{kind}{_plain(self.low)} to {_plain(self.high)}{unit}"
+
+    def __call__(self, text: str) -> float | int:
+        text = text.strip()
+        if self.whole:
+            # int() would take "1_000" and Python's float() spellings would pass through float(); only digits.
+            if not re.fullmatch(r"[+-]?[0-9]{1,30}", text):
+                raise ValueError(f"not a whole number; valid: {self.valid}")
+            value: float | int = int(text)
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"not a number; valid: {self.valid}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"not a finite number; valid: {self.valid}")
+        if value < self.low:
+            why = f" ({self.why_low})" if self.why_low else ""
+            raise ValueError(f"must be at least {_plain(self.low)}{why}; valid: {self.valid}")
+        if value > self.high:
+            raise ValueError(f"must be at most {_plain(self.high)}; valid: {self.valid}")
         return value
-    return convert
 
 
-def _poll_interval(text: str) -> float:
-    value = float(text)
-    # IMDS allows 5 requests per second per VM, for every caller on it together.
-    if value < 0.2:
-        raise ValueError("must be at least 0.2 (IMDS allows 5 requests per second per VM)")
-    return value
+def _plain(number: float) -> str:
+    """1024 rather than 1024.0 or 1.024e+03: ranges are read by people and compared by tests."""
+    return str(int(number)) if float(number).is_integer() else repr(float(number))
+
+
+def argument_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`convert` as an argparse `type`: argparse shows only the message of an ArgumentTypeError (any other
+    ValueError becomes "invalid <function name> value"), so carry the converter's reason over."""
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not valid ({exc})") from None
+    return checked
+
+
+SECONDS = "seconds"
+# The lower bound: IMDS allows 5 requests per second per VM, for every caller on it together. The upper
+# bounds here catch unit mistakes (milliseconds typed as seconds); they are no advice: a poll interval
+# longer than the notice IMDS gives (30 s at most for a Spot eviction, 5 to 15 min for most events)
+# already loses warnings.
+POLL_INTERVAL = Number(0.2, 3600, unit=SECONDS, why_low="IMDS allows 5 requests per second per VM")
+BACKOFF = Number(0.2, 3600, unit=SECONDS)
+REQUEST_TIMEOUT = Number(0.1, 600, unit=SECONDS)
+SPEED = Number(0.01, 10_000)
+SEED = Number(0, 2**32 - 1, whole=True)
 
 
 def _api_version(text: str) -> str:
@@ -76,25 +133,61 @@ def _choice(*values: str) -> Callable[[str], str]:
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `:PORT` (all interfaces) or `[IPV6]:PORT`."""
+    """`HOST:PORT`, `:PORT` (all interfaces) or `[IPV6]:PORT`; port 0 lets the system pick a free one."""
+    expected = "expected HOST:PORT, :PORT or [IPv6]:PORT, HOST a name or IP address, PORT 0 to 65535 (0: any free)"
     match = re.fullmatch(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d{1,5})", text.strip())
     if not match or int(match["port"]) > 65535:
-        raise ValueError("expected HOST:PORT, :PORT or [IPv6]:PORT")
-    return (match["v6"] or match["host"] or ""), int(match["port"])
+        raise ValueError(expected)
+    host = match["v6"] or match["host"] or ""
+    if match["v6"] is not None:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{expected}; {host!r} is not an IPv6 address") from None
+    elif host and not _is_host_name(host):
+        raise ValueError(expected)
+    return host, int(match["port"])
 
 
-def _listen(text: str) -> str:
+def _is_host_name(host: str) -> bool:
+    """An IPv4 address or a DNS name (RFC 1123 letters, digits, '-', '_', '.'; at most 253): anything else
+    would fail only when the socket is bound, and a NUL or a 64-character label not even as an OSError."""
+    if len(host) > 253:
+        return False
+    labels = host.rstrip(".").split(".")
+    return all(re.fullmatch(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?", label) for label in labels)
+
+
+def listen_address(text: str) -> str:
     parse_listen_address(text)
     return text
 
 
-def _endpoint(text: str) -> str:
+def endpoint_url(text: str) -> str:
+    """An IMDS base URL `http[s]://HOST[:PORT]` (port 1 to 65535), or 'discover'."""
     if text == "discover":
         return text
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("expected http://HOST[:PORT] or 'discover'")
+    expected = "expected http://HOST[:PORT] or 'discover', PORT 1 to 65535"
+    if any(ch.isspace() or not ch.isprintable() for ch in text):
+        raise ValueError(expected)
+    try:
+        parts = urlsplit(text)
+        port = parts.port   # reading it checks it: urllib raises ValueError for "abc" or 99999
+    except ValueError:
+        raise ValueError(expected) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or (port is not None and not 1 <= port <= 65535):
+        raise ValueError(expected)
     return text.rstrip("/")
+
+
+def _directory(text: str) -> str:
+    # An empty path used to mean "keep state in memory" while the state_writable metric said 1.
+    if not text.strip():
+        raise ValueError(f"empty; give a directory path, or leave the option out for the default "
+                         f"({default_state_dir()}; with --simulate a temporary directory)")
+    if "\0" in text:
+        raise ValueError("a path cannot contain a NUL character")
+    return text
 
 
 def _sinks(text: str) -> list[str]:
@@ -131,32 +224,40 @@ class Option:
     def env(self) -> str:
         return ENV_PREFIX + self.dest.upper()
 
+    @property
+    def help_text(self) -> str:
+        """The flag's help: what it does, the range of a number (from the converter, so it cannot drift) and
+        its environment variable."""
+        valid = f" ({self.convert.valid})" if isinstance(self.convert, Number) else ""
+        return f"{self.help}{valid} [env {self.env}]"
+
 
 RUN_OPTIONS: tuple[Option, ...] = (
     Option("imds-endpoint", "IMDS base URL, or 'discover' to read DHCP option 245 (VMs outside a VNET)",
-           DEFAULT_ENDPOINT, _endpoint, metavar="URL"),
+           DEFAULT_ENDPOINT, endpoint_url, metavar="URL"),
     Option("api-version", "Scheduled Events API version", DEFAULT_API_VERSION, _api_version, metavar="V"),
-    Option("poll-interval", "seconds between polls (decimals allowed, at least 0.2)", 1.0, _poll_interval,
-           metavar="SECONDS"),
+    Option("poll-interval", "time between polls, decimals allowed", 1.0, POLL_INTERVAL, metavar="SECONDS"),
     Option("imds-timeout", "per-request timeout once IMDS has answered (the first request may take up "
-           "to 120 s)", 2.0, _positive(float), metavar="SECONDS"),
-    Option("imds-max-backoff", "longest wait between polls while IMDS keeps failing", 10.0,
-           _positive(float), metavar="SECONDS"),
+           "to 120 s)", 2.0, REQUEST_TIMEOUT, metavar="SECONDS"),
+    Option("imds-max-backoff", "longest wait between polls while IMDS keeps failing", 10.0, BACKOFF,
+           metavar="SECONDS"),
     Option("imds-max-reply-bytes", "largest IMDS reply accepted; a longer one is an error and its connection "
-           "is dropped", 4 * 1024 * 1024, _positive(int), metavar="BYTES"),
-    Option("listen-address", "where /metrics, /healthz and /readyz are served", DEFAULT_LISTEN, _listen,
+           "is dropped", 4 * 1024 * 1024, Number(64 * 1024, 256 * 1024 * 1024, whole=True), metavar="BYTES"),
+    Option("listen-address", "where /metrics, /healthz and /readyz are served: HOST:PORT, :PORT (all interfaces) "
+           "or [IPv6]:PORT; port 0 picks a free port, logged at start", DEFAULT_LISTEN, listen_address,
            metavar="HOST:PORT"),
-    Option("web-read-timeout", "seconds a client of the web endpoints may take to send a request, and may "
-           "stay idle between requests", 10.0, _positive(float), metavar="SECONDS"),
+    Option("web-read-timeout", "time a client of the web endpoints may take to send a request, and may "
+           "stay idle between requests", 10.0, REQUEST_TIMEOUT, metavar="SECONDS"),
     Option("web-max-connections", "web connections served at once (each has a worker thread); more wait in "
-           "the listen queue", 16, _positive(int), metavar="N"),
+           "the listen queue", 16, Number(1, 1024, whole=True), metavar="N"),
     Option("web-max-request-bytes", "largest request (line and headers) the web endpoints accept", 16384,
-           _positive(int), metavar="BYTES"),
+           Number(1024, 1024 * 1024, whole=True), metavar="BYTES"),
     Option("drain-timeout", "on stop, how long the sinks (in parallel) may take to deliver what is waiting; "
-           "the rest stays in the outbox", 10.0, _positive(float), metavar="SECONDS"),
+           "the rest stays in the outbox; 0 does not wait", 10.0, Number(0, 600, unit=SECONDS), metavar="SECONDS"),
     Option("vm-name", "this VM's name as in Resources (default: instance metadata compute.name)", None,
            metavar="NAME"),
-    Option("state-dir", "where state and the outbox survive restarts", None, metavar="PATH"),
+    Option("state-dir", "directory where state and the outbox survive restarts (default: the service state "
+           "directory; with --simulate a temporary one)", None, _directory, metavar="PATH"),
     Option("sink", "where records go: stdout, file:PATH, eventhubs, otlp (repeatable)", ["stdout"],
            str, repeatable=True, metavar="SPEC"),
     Option("eventhubs-connection-string", "Event Hubs connection string; from the environment or the config "
@@ -175,17 +276,17 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("policy", "approval policy file (YAML); without one nothing is ever approved", None, metavar="FILE"),
     Option("dry-run", "decide and record approvals, but send no StartRequests", False, _boolean, is_flag=True),
     Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
-           _positive(int), metavar="N"),
-    Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0, _positive(float),
-           metavar="SECONDS"),
-    Option("compute-refresh", "seconds between reads of instance metadata", 3600.0, _positive(float),
+           Number(100, 10_000_000, whole=True), metavar="N"),
+    Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0,
+           Number(1, 86_400, unit=SECONDS), metavar="SECONDS"),
+    Option("compute-refresh", "time between reads of instance metadata", 3600.0, Number(10, 86_400, unit=SECONDS),
            metavar="SECONDS"),
     Option("log-format", "text or json", "text", _choice("text", "json")),
     Option("log-level", "debug, info, warning or error", "info", _choice("debug", "info", "warning", "error")),
     Option("simulate", "run against the built-in IMDS simulator, with this scenario (default: tour)",
            None, metavar="SCENARIO"),
-    Option("speed", "with --simulate: how much faster than real time the scenario runs", 1.0,
-           _positive(float), metavar="FACTOR"),
+    Option("speed", "with --simulate: how much faster than real time the scenario runs", 1.0, SPEED,
+           metavar="FACTOR"),
     Option("fault", "with --simulate: inject IMDS faults, e.g. 500:0.1, reset:0.05, latency:0.2 "
            "(repeatable)", [], str, repeatable=True, metavar="KIND:VALUE"),
 )
@@ -232,27 +333,48 @@ def redact_url(text: str) -> str:
     return text
 
 
+def shown(raw: Any) -> str:
+    """A refused value as it may appear in an error: quoted, with URL credentials and queries hidden (a URL
+    too broken to split loses everything after the scheme)."""
+    if isinstance(raw, str) and "://" in raw:
+        try:
+            raw = redact_url(raw)
+        except ValueError:
+            raw = raw.split("://", 1)[0] + "://<redacted>"
+    return repr(raw)
+
+
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
     """Flags for `options`, with defaults left out so that an absent flag can be told apart."""
     for option in options:
         flag = f"--{option.name}"
-        env_help = f" [env {option.env}]"
         if option.is_flag:
             parser.add_argument(flag, dest=option.dest, action="store_true", default=argparse.SUPPRESS,
-                                help=option.help + env_help)
+                                help=option.help_text)
         elif option.repeatable:
             parser.add_argument(flag, dest=option.dest, action="append", metavar=option.metavar,
-                                default=argparse.SUPPRESS, help=option.help + env_help)
+                                default=argparse.SUPPRESS, help=option.help_text)
         else:
             parser.add_argument(flag, dest=option.dest, metavar=option.metavar, default=argparse.SUPPRESS,
-                                help=option.help + env_help)
+                                help=option.help_text)
+
+
+def read_text_file(path: str, what: str, secret: bool = False) -> str:
+    """A file given by the user, as UTF-8 text; ConfigError naming `what` (the option) and the file otherwise.
+    The first undecodable byte and its offset point the user at the spot (left out for a secret's file)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        byte = "" if secret else f"byte 0x{data[exc.start]:02x} "
+        raise ConfigError(f"{what} {path}: not UTF-8 text ({byte}at offset {exc.start})") from None
 
 
 def _load_file(path: str) -> dict[str, Any]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read ({exc.strerror or exc})") from None
+    text = read_text_file(path, "--config")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -275,7 +397,7 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
             return _boolean(raw)
         return option.convert(str(raw))
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{source}: {raw!r} is not valid for --{option.name} ({exc})") from None
+        raise ConfigError(f"{source}: {shown(raw)} is not valid for --{option.name} ({exc})") from None
 
 
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
@@ -314,11 +436,8 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
         sources[option.dest] = source
     secret_file = values.get("eventhubs_connection_string_file")
     if secret_file and not values.get("eventhubs_connection_string"):
-        try:
-            values["eventhubs_connection_string"] = Path(secret_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"--eventhubs-connection-string-file {secret_file}: cannot read "
-                              f"({exc.strerror or exc})") from None
+        values["eventhubs_connection_string"] = read_text_file(secret_file, "--eventhubs-connection-string-file",
+                                                               secret=True).strip()
         sources["eventhubs_connection_string"] = f"--eventhubs-connection-string-file {secret_file}"
     if "state_dir" in values and values["state_dir"] is None and not values.get("simulate"):
         values["state_dir"] = default_state_dir()
