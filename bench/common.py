@@ -75,19 +75,40 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory `pid` has had (VmHWM): since it started, or since reset_peak_rss."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Start VmHWM again from the current RSS (Linux 4.0+, our own processes); False where it cannot."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 class Collector:
     """`forewarn run` as its own process, as deployed, with its metrics on a free loopback port."""
 
     def __init__(self, endpoint: str, state_dir: Path, interval: float = 1.0, sinks: Sequence[str] = (),
-                 env: dict[str, str] | None = None, extra: Sequence[str] = (), wait: bool = True) -> None:
+                 env: dict[str, str] | None = None, extra: Sequence[str] = (), wait: bool = True,
+                 log: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "forewarn", "run", "--imds-endpoint", endpoint,
                 "--listen-address", f"127.0.0.1:{self.port}", "--state-dir", str(state_dir),
                 "--poll-interval", str(interval), "--log-level", "warning"]
         args += [f"--sink={sink}" for sink in sinks] if sinks else ["--sink="]
-        self.proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+        log_file = log.open("ab") if log is not None else None  # its warnings, when asked for
+        self.proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL,
+                                     stderr=log_file or subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        if log_file is not None:
+            log_file.close()  # the child has its own copy
         if wait:
             self.wait_ready()
 

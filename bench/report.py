@@ -101,8 +101,58 @@ def soak(results: dict[str, Any]) -> list[str]:
             f"| trouble injected | {trouble} | |"]
 
 
+MB = 1_000_000 / 2**20  # MiB in a MB: the memory goal is in MB, /proc reports KiB
+
+
+def hostile(results: dict[str, Any]) -> list[str]:
+    run = "quick run: " if results.get("quick") else ""
+    memory = results["memory"]
+    limit_mib = 100 * MB
+    lines = [f"Hostile IMDS ({run}{results['date']})", "",
+             f"| hostile reply, {memory['seconds_each']:g} s each | requests | the collector's outcome | "
+             "RSS before | peak RSS | sampled RSS max | alive, /metrics | next valid event in | |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in memory["replies"].items():
+        peak = row["peak_rss_mib"] if row["peak_rss_mib"] is not None else row["sampled_rss_max_mib"]
+        codes = ", ".join(f"{code} x{count}" for code, count in row["codes"].items())
+        ok = peak <= limit_mib and row["alive"] and row["metrics_answer"]
+        lines.append(f"| {name} | {row['hostile_requests']} | {codes} | {row.get('rss_at_start_mib', 0):.0f} MiB | "
+                     f"{peak:.0f} MiB | "
+                     f"{row['sampled_rss_max_mib']:.0f} MiB | {'yes' if row['alive'] else '**no**'}, "
+                     f"{'yes' if row['metrics_answer'] else '**no**'} | {row['next_event_s']:.2f} s | {verdict(ok)} |")
+    start = memory["startup"]
+    overall = memory["overall_peak_rss_mib"]
+    lines += [f"| overall (from start, peak {start['peak_rss_mib']:.0f} MiB before the first) | | | | "
+              f"{overall:.0f} MiB | | | | {verdict(overall <= limit_mib)} |", "",
+              f"RSS 10 s after the last hostile reply, polling normally: {memory['rss_10_s_after_mib']:.0f} MiB "
+              f"(exit code on SIGTERM: {memory['exit_code']})."]
+    lines += ["", "| SIGTERM during a hung read | median | max | samples | target | |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for name, row in results["stop"].items():
+        lines.append(f"| {name} | {row['median_s']:.2f} s | {row['max_s']:.2f} s | {len(row['samples_s'])} | "
+                     f"<= 2 s | {verdict(row['max_s'] <= 2)} |")
+    lines += ["", "| outage, then a new event | blind time to the file record, median / max | to the /metrics "
+              "series | first request after recovery | requests/s during the outage; most in any second | "
+              "target | |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in results["outage"].items():
+        file, metric, first = row["blind_file"], row["blind_metric"], row["first_request_after"]
+        ok = file["max_s"] <= 1 + 1 and row["requests_per_s_max"] <= 2 and row["most_in_any_second"] <= 2
+        lines.append(f"| {row['outage_s']:g} s of {name if name == 'reset' else f'HTTP {name}'}"
+                     f"{'s' if name == 'reset' else ''}, x{row['repetitions']} | {file['median_s']:.2f} / "
+                     f"{file['max_s']:.2f} s | {metric['median_s']:.2f} / {metric['max_s']:.2f} s | "
+                     f"{first['median_s']:.2f} / {first['max_s']:.2f} s | {row['requests_per_s_max']:.2f}; "
+                     f"{row['most_in_any_second']} | <= 2 s; <= 2/s | {verdict(ok)} |")
+    idle = results["idle"]
+    lines += ["", "| RSS, normal polling, file sink | after | RSS | published (bench/cost.py) | difference |",
+              "| --- | --- | --- | --- | --- |",
+              f"| 1 poll/s, quiet scenario | {idle['seconds']:g} s | {idle['rss_mib']:.0f} MiB | "
+              f"{idle['published_rss_mib']:.0f} MiB | {idle['difference_mib']:+.1f} MiB |"]
+    return lines
+
+
 def main() -> None:
-    for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak)):
+    for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak),
+                         ("hostile", hostile)):
         results = load(name)
         if results is not None:
             print("\n".join(render(results)) + "\n")
