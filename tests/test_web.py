@@ -1,0 +1,268 @@
+"""The web endpoints under clients that misbehave: silent, slow, oversized, or many at once.
+
+The collector's HTTP server must keep answering Prometheus while a flood of slow connections sits on
+it, with a bounded number of threads, and must drop what never becomes a request within the read
+timeout. Subprocess tests run the real `forewarn run --simulate`; the rest use MetricsServer in-process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import requests
+
+from forewarn.web import MetricsServer
+
+from conftest import CollectorProcess, sample, wait_until
+
+SIMULATE = ("--simulate", "quiet")
+LAST_SUCCESS = "azure_scheduled_events_imds_last_success_timestamp_seconds"
+
+
+def connect(port: int, timeout: float = 10.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (raises on the socket's timeout)."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.fixture
+def server() -> Iterator[Callable[..., MetricsServer]]:
+    started: list[MetricsServer] = []
+
+    def start(read_timeout: float = 10.0, max_connections: int = 4, max_request_bytes: int = 16384,
+              render: Callable[[str], tuple[bytes, str]] | None = None) -> MetricsServer:
+        web = MetricsServer("127.0.0.1", 0, render or (lambda accept: (b"metric 1\n", "text/plain")),
+                            lambda: (True, "ok"), read_timeout=read_timeout, max_connections=max_connections,
+                            max_request_bytes=max_request_bytes)
+        web.start()
+        started.append(web)
+        return web
+
+    yield start
+    for web in started:
+        web.stop()
+
+
+def port_of(web: MetricsServer) -> int:
+    return int(web.server_address[1])
+
+
+# --- read timeout: a connection that is not a request is dropped -------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", [b"", b"GET /metr", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["nothing", "half-a-request-line", "headers-never-finished"])
+def test_a_client_that_never_completes_a_request_is_disconnected_after_the_read_timeout(
+        collector: Callable[..., CollectorProcess], sent: bytes) -> None:
+    proc = collector("http://127.0.0.1:9", *SIMULATE, "--web-read-timeout", "1")
+    with connect(proc.port, timeout=8) as sock:
+        started = time.monotonic()
+        sock.sendall(sent)
+        read_until_closed(sock)
+        elapsed = time.monotonic() - started
+    assert 0.8 <= elapsed < 3.0, elapsed
+    assert proc.metrics_text(), "the server still answers others"
+
+
+@pytest.mark.slow
+def test_an_idle_kept_alive_connection_is_closed_after_the_read_timeout(
+        collector: Callable[..., CollectorProcess]) -> None:
+    proc = collector("http://127.0.0.1:9", *SIMULATE, "--web-read-timeout", "1")
+    conn = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=8)
+    conn.request("GET", "/healthz")
+    response = conn.getresponse()
+    assert response.status == 200 and response.read() == b"ok\n"
+    assert response.getheader("Connection") != "close", "HTTP/1.1 keeps the connection open"
+    assert conn.sock is not None
+    started = time.monotonic()
+    assert read_until_closed(conn.sock) == b""
+    elapsed = time.monotonic() - started
+    conn.close()
+    assert 0.8 <= elapsed < 3.0, elapsed
+
+
+# --- size limits -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_oversized_headers_get_431_and_a_long_request_line_414(collector: Callable[..., CollectorProcess]) -> None:
+    proc = collector("http://127.0.0.1:9", *SIMULATE, "--web-max-request-bytes", "4096")
+    with connect(proc.port) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:100]
+    with connect(proc.port) as sock:
+        sock.sendall(b"GET /" + b"a" * 8000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 414 "), reply[:100]
+    with connect(proc.port) as sock:  # just under the limit is served
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: " + b"a" * 3900 + b"\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\nok\n"), reply[:100]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framing", [b"Content-Length: 5\r\n", b"Transfer-Encoding: chunked\r\n"],
+                         ids=["content-length", "chunked"])
+def test_a_request_body_is_refused_with_413_and_the_connection_closed(
+        collector: Callable[..., CollectorProcess], framing: bytes) -> None:
+    proc = collector("http://127.0.0.1:9", *SIMULATE)
+    with connect(proc.port) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\nhello")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:100]
+    assert b"Connection: close" in reply
+
+
+# --- a flood of slow connections -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_flood_of_slow_connections_neither_starves_scrapes_nor_grows_threads(
+        collector: Callable[..., CollectorProcess]) -> None:
+    proc = collector("http://127.0.0.1:9", *SIMULATE, "--web-read-timeout", "30", "--poll-interval", "0.3")
+    assert proc.proc is not None
+    pid = proc.proc.pid
+    before = threads_of(pid)
+    first_success = sample(proc.metrics(), LAST_SUCCESS)
+    slow: list[socket.socket] = []
+    try:
+        for i in range(400):
+            sock = connect(proc.port)
+            if i % 2:
+                sock.sendall(b"G")  # the start of a request line, trickled on below
+            slow.append(sock)
+        most_threads = 0
+        for _ in range(6):
+            for i, sock in enumerate(slow):
+                if i % 2:
+                    sock.sendall(b"E")
+            started = time.monotonic()
+            response = requests.get(proc.url + "/metrics", timeout=10)
+            elapsed = time.monotonic() - started
+            assert response.status_code == 200 and elapsed < 2.0, elapsed
+            most_threads = max(most_threads, threads_of(pid))
+        # The HTTP server may use its acceptor and at most --web-max-connections (16) workers.
+        assert most_threads <= before + 17, (before, most_threads)
+        wait_until(lambda: (sample(proc.metrics(), LAST_SUCCESS) or 0) > (first_success or 0),
+                   message="polling goes on during the flood")
+        assert proc.alive()
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+# --- in-process: what Prometheus and browsers rely on ------------------------------------------------
+
+def test_keep_alive_serves_several_requests_on_one_connection(server: Callable[..., MetricsServer]) -> None:
+    web = server()
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(web), timeout=5)
+    for path, status, body in [("/metrics", 200, b"metric 1\n"), ("/nope", 404, b"not found\n"),
+                               ("/healthz", 200, b"ok\n"), ("/readyz", 200, b"ok\n")]:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (status, body)
+        assert response.getheader("Content-Length") == str(len(body))
+    conn.request("GET", "/")
+    response = conn.getresponse()
+    assert response.status == 200 and b"<h1>forewarn</h1>" in response.read()
+    assert response.getheader("Content-Type") == "text/html; charset=utf-8"
+    conn.close()
+
+
+def test_head_sends_the_length_without_a_body(server: Callable[..., MetricsServer]) -> None:
+    web = server()
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n"
+                     b"Connection: close\r\n\r\n")
+        reply = read_until_closed(sock)
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"Content-Length: 9" in head
+    assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"\r\n\r\nok\n"), "the pipelined request follows"
+
+
+def test_http_1_0_without_keep_alive_is_closed_after_the_reply(server: Callable[..., MetricsServer]) -> None:
+    web = server()
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"ok\n")
+
+
+def test_a_malformed_request_line_gets_400(server: Callable[..., MetricsServer]) -> None:
+    web = server()
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"HELLO\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400 ")
+
+
+def test_workers_are_bounded_and_taken_only_by_complete_requests(server: Callable[..., MetricsServer]) -> None:
+    """Two workers, both busy rendering: a third scrape waits for one rather than getting a thread, and
+    forty idle connections cost no thread at all."""
+    release = threading.Event()
+    rendering = threading.Semaphore(0)
+
+    def slow_render(accept: str) -> tuple[bytes, str]:
+        rendering.release()
+        release.wait(10)
+        return b"metric 1\n", "text/plain"
+
+    web = server(max_connections=2, render=slow_render)
+    before = threading.active_count()
+    idle = [connect(port_of(web), timeout=5) for _ in range(40)]
+    results: list[int] = []
+
+    def scrape() -> None:
+        results.append(requests.get(web.url + "/metrics", timeout=10).status_code)
+
+    scrapers = [threading.Thread(target=scrape) for _ in range(3)]
+    try:
+        for thread in scrapers:
+            thread.start()
+        assert rendering.acquire(timeout=5) and rendering.acquire(timeout=5)
+        assert not rendering.acquire(timeout=0.3), "the third request waits for a free worker"
+        # 3 scraper threads of this test, at most 2 workers and the acceptor of the server.
+        assert threading.active_count() <= before + 3 + 2 + 1
+        release.set()
+        for thread in scrapers:
+            thread.join(10)
+        assert results == [200, 200, 200]
+    finally:
+        release.set()
+        for sock in idle:
+            sock.close()
+
+
+def test_stop_closes_open_connections_and_ends_its_threads(server: Callable[..., MetricsServer]) -> None:
+    before = threading.active_count()
+    web = server()
+    sock = connect(port_of(web), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200 ")
+    web.stop()
+    assert read_until_closed(sock) == b""
+    sock.close()
+    wait_until(lambda: threading.active_count() <= before, timeout=5, message="the server's threads to end")
