@@ -230,7 +230,7 @@ def test_manual_approve_command(simulator: Callable[..., SimulatorHandle]) -> No
 
 
 def test_policy_commands(tmp_path: Path) -> None:
-    ok = forewarn("policy", "check", str(EXAMPLES / "drain-then-approve.yaml"))
+    ok = forewarn("policy", "check", "--no-command-check", str(EXAMPLES / "drain-then-approve.yaml"))
     assert ok.returncode == 0 and "OK (3 rule(s)" in ok.stdout
     bad = forewarn("policy", "check", write_policy(tmp_path, "rules: [{name: a, action: maybe}]\n"))
     assert bad.returncode == 2 and "rules[0].action: 'maybe' is not valid; valid: approve, hold" in bad.stderr

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,8 @@ import pytest
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event, parse_document
 from forewarn.policy import PolicyError, decide, load_policy, parse_policy
+
+from conftest import free_port
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "policies"
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc).timestamp()  # a Monday, noon UTC
@@ -56,11 +61,11 @@ def test_every_example_policy_loads() -> None:
     assert names == ["docs-sample.yaml", "drain-then-approve.yaml", "scale-set-staggered.yaml",
                      "spot-checkpoint.yaml"]
     for path in EXAMPLES.glob("*.yaml"):
-        assert load_policy(path).rules
+        assert load_policy(path, check_commands=False).rules  # their hook programs live on the user's VMs
 
 
 def test_drain_example_runs_a_hook_before_reboots_of_this_vm_only() -> None:
-    policy = load_policy(EXAMPLES / "drain-then-approve.yaml")
+    policy = load_policy(EXAMPLES / "drain-then-approve.yaml", check_commands=False)
     mine = decide(policy, event("Reboot", resources=("vm-0",)), "vm-0", NOW, NOW)
     assert (mine.action, mine.rule) == ("approve", "drain-then-approve")
     assert policy.rules[0].prepare[0].command == ("/usr/local/bin/lb-member", "leave", "--wait-for-drain")
@@ -70,7 +75,7 @@ def test_drain_example_runs_a_hook_before_reboots_of_this_vm_only() -> None:
 
 
 def test_spot_example_approves_preempt_even_after_a_failed_checkpoint() -> None:
-    policy = load_policy(EXAMPLES / "spot-checkpoint.yaml")
+    policy = load_policy(EXAMPLES / "spot-checkpoint.yaml", check_commands=False)
     decision = decide(policy, event("Preempt", duration=None, not_before_in=30), "vm-0", NOW, NOW)
     assert (decision.action, decision.rule) == ("approve", "checkpoint-on-preempt")
     assert policy.rules[0].on_hook_failure == "approve"
@@ -204,3 +209,138 @@ def test_malformed_policies_give_the_exact_error(text: str, error: str) -> None:
 def test_missing_file_is_a_policy_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read"):
         load_policy(tmp_path / "none.yaml")
+
+
+# --- commands that cannot run, empty files, numbers, encodings --------------------------------------
+
+def forewarn(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forewarn", *args], capture_output=True, text=True, timeout=30)
+
+
+def hook_policy(tmp_path: Path, command: list[str]) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text("rules:\n  - name: drain\n    action: approve\n    prepare:\n"
+                    f"      - name: lb\n        command: {json.dumps(command)}\n")
+    return path
+
+
+@pytest.mark.parametrize(("command", "problem"), [
+    (["no-such-forewarn-hook", "--now"], "command 'no-such-forewarn-hook' not found on PATH"),
+    (["/nonexistent/forewarn/drain"], "command '/nonexistent/forewarn/drain' not found"),
+    (["{tmp}/plain.txt"], "command '{tmp}/plain.txt' is not executable"),
+    (["{tmp}"], "command '{tmp}' is not executable"),
+])
+def test_policy_check_refuses_a_hook_command_that_cannot_run(tmp_path: Path, command: list[str],
+                                                            problem: str) -> None:
+    (tmp_path / "plain.txt").write_text("not a program\n")
+    command = [part.replace("{tmp}", str(tmp_path)) for part in command]
+    path = hook_policy(tmp_path, command)
+    done = forewarn("policy", "check", str(path))
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.strip() == f"forewarn policy: {path}:6: hook lb: {problem.replace('{tmp}', str(tmp_path))}"
+    skipped = forewarn("policy", "check", "--no-command-check", str(path))
+    assert skipped.returncode == 0 and "OK" in skipped.stdout, skipped.stderr
+
+
+def test_policy_check_accepts_a_command_found_on_path(tmp_path: Path) -> None:
+    done = forewarn("policy", "check", str(hook_policy(tmp_path, [Path(sys.executable).name, "-c", "pass"])))
+    assert done.returncode == 0, done.stderr
+
+
+def test_run_refuses_to_start_with_a_hook_command_that_cannot_run(tmp_path: Path) -> None:
+    path = hook_policy(tmp_path, ["no-such-forewarn-hook"])
+    done = subprocess.run([sys.executable, "-m", "forewarn", "run", "--policy", str(path), "--imds-endpoint",
+                           "http://127.0.0.1:9", "--state-dir", str(tmp_path / "state"), "--listen-address",
+                           f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert f"{path}:6: hook lb: command 'no-such-forewarn-hook' not found on PATH" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_an_empty_policy_says_so(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    done = forewarn("policy", "check", str(path))
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"forewarn policy: {path}: the policy is empty; expected a mapping with 'rules'"
+
+
+def test_a_policy_that_is_not_a_mapping_says_so() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy("- name: a\n  action: hold\n", "p.yaml")
+    assert str(info.value) == "p.yaml:1: (top level): expected a mapping with 'rules', e.g. rules: [...]"
+
+
+def test_a_policy_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"rules: [{name: caf\xe9, action: hold}]\n")
+    done = forewarn("policy", "check", str(path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith(f"forewarn policy: {path}: not UTF-8 text (byte 0xe9 at offset 18)")
+
+
+BAD_NUMBERS = [".nan", ".NaN", ".inf", "-.inf", "-1", "1.0e+400", "100000000000000000000"]
+NUMBER_FIELDS = [
+    ("leader: {{mode: staggered, stagger: {v}}}\nrules: [{{name: a, action: approve}}]\n", 1, "leader.stagger"),
+    ("rules:\n  - name: a\n    action: approve\n    delay: {v}\n", 4, "rules[0].delay"),
+    ("rules:\n  - name: a\n    action: approve\n    approve_within: {v}\n", 4, "rules[0].approve_within"),
+    ("rules:\n  - name: a\n    action: approve\n    prepare:\n      - {{command: [x], timeout: {v}}}\n", 5,
+     "rules[0].prepare[0].timeout"),
+    ("hooks:\n  recover:\n    - {{webhook: 'https://h/x', timeout: {v}}}\nrules: [{{name: a, action: hold}}]\n", 3,
+     "hooks.recover[0].timeout"),
+    ("rules:\n  - name: a\n    action: approve\n    match: {{duration: {{min: {v}}}}}\n", 4,
+     "rules[0].match.duration.min"),
+    ("rules:\n  - name: a\n    action: approve\n    match: {{duration: {{max: {v}}}}}\n", 4,
+     "rules[0].match.duration.max"),
+    ("max_approvals_per_hour: {v}\nrules: [{{name: a, action: approve}}]\n", 1, "max_approvals_per_hour"),
+]
+
+
+@pytest.mark.parametrize("value", BAD_NUMBERS)
+@pytest.mark.parametrize(("template", "line", "field_name"), NUMBER_FIELDS)
+def test_numbers_must_be_finite_and_in_range(template: str, line: int, field_name: str, value: str) -> None:
+    if value == "-1" and field_name.endswith(("duration.min", "duration.max")):
+        value = "-5"
+    with pytest.raises(PolicyError) as info:
+        parse_policy(template.format(v=value), "p.yaml")
+    assert str(info.value).startswith(f"p.yaml:{line}: {field_name}: "), str(info.value)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1.0e+400", "-100000000000"])
+@pytest.mark.parametrize("bound", ["min", "max"])
+def test_not_before_bounds_must_be_finite_and_in_range(value: str, bound: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(f"rules:\n  - name: a\n    action: approve\n    match: {{not_before_in: {{{bound}: {value}}}}}\n",
+                     "p.yaml")
+    assert str(info.value).startswith(f"p.yaml:4: rules[0].match.not_before_in.{bound}: "), str(info.value)
+
+
+def test_nan_stagger_no_longer_defeats_staggered_approval() -> None:
+    with pytest.raises(PolicyError, match=r"p.yaml:1: leader.stagger: \.?nan is not a finite number"):
+        parse_policy("leader: {mode: staggered, stagger: .nan}\nrules: [{name: a, action: approve}]\n", "p.yaml")
+
+
+def test_sane_numbers_still_load() -> None:
+    policy = parse_policy("leader: {mode: staggered, stagger: 3600}\nmax_approvals_per_hour: 60\n"
+                          "rules:\n  - {name: a, action: approve, delay: 0.5, approve_within: 604800,\n"
+                          "     match: {duration: {min: 0, max: 86400}, not_before_in: {min: -60, max: 604800}},\n"
+                          "     prepare: [{command: [x], timeout: 3600}]}\n")
+    assert policy.stagger == 3600 and policy.rules[0].approve_within == 604800
+
+
+@pytest.mark.parametrize(("env", "error"), [
+    ("[PATH, MY_TOKEN, _x9]", None),
+    ("[9LIVES]", "p.yaml:5: rules[0].prepare[0].env[0]: '9LIVES' is not a variable name; valid: letters, digits and _, "
+                 "not starting with a digit"),
+    ("['A=B']", "p.yaml:5: rules[0].prepare[0].env[0]: 'A=B' is not a variable name"),
+    ("MY_TOKEN", "p.yaml:5: rules[0].prepare[0].env: 'MY_TOKEN' is not of type 'array'"),
+])
+def test_hook_env_lists_variable_names(env: str, error: str | None) -> None:
+    text = f"rules:\n  - name: a\n    action: approve\n    prepare:\n      - {{command: [x], env: {env}}}\n"
+    if error is None:
+        assert parse_policy(text).rules[0].prepare[0].env == ("PATH", "MY_TOKEN", "_x9")
+        return
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert str(info.value).startswith(error), str(info.value)

@@ -30,6 +30,7 @@ from forewarn.config import (
     listen_address,
     parse_listen_address,
     read_text_file,
+    redact_url,
     resolve,
 )
 from forewarn.imds.client import DEFAULT_ENDPOINT, ImdsClient, ImdsError, with_retries
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy_commands = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", parser_class=_Parser)
     check = policy_commands.add_parser("check", help="validate a policy file")
     check.add_argument("file")
+    check.add_argument("--no-command-check", dest="check_commands", action="store_false",
+                       help="do not require hook commands to exist here (checking a policy for other machines)")
     explain = policy_commands.add_parser("explain", help="what the policy would do with each event, and why")
     explain.add_argument("file")
     explain.add_argument("--document", metavar="DOC.json",
@@ -192,7 +195,7 @@ def _current_document(client: ImdsClient) -> Document:
     try:
         return with_retries(client.get_scheduled_events)
     except ImdsError as exc:
-        raise CommandFailed(f"cannot read Scheduled Events from {client.endpoint}: {exc}") from None
+        raise CommandFailed(f"cannot read Scheduled Events from {redact_url(client.endpoint)}: {exc}") from None
     except DocumentError as exc:
         raise CommandFailed(f"IMDS reply is not a valid Scheduled Events document: {exc}") from None
 
@@ -224,7 +227,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
         try:
             with_retries(lambda: client.start_events(args.event_ids))
         except ImdsError as exc:
-            raise CommandFailed(f"IMDS at {client.endpoint} refused the approval: {exc}") from None
+            raise CommandFailed(f"IMDS at {redact_url(client.endpoint)} refused the approval: {exc}") from None
     finally:
         client.close()
     for event_id in args.event_ids:
@@ -239,13 +242,20 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if args.policy_command is None:
         raise ConfigError("policy needs a subcommand: check or explain")
     try:
-        policy = load_policy(args.file)
+        # explain answers "what would it decide", also on a laptop without the VMs' hook programs.
+        policy = load_policy(args.file, check_commands=args.policy_command == "check" and args.check_commands)
     except PolicyError as exc:
         print(f"forewarn policy: {exc}", file=sys.stderr)
         return 2
     if args.policy_command == "check":
         print(f"{args.file}: OK ({len(policy.rules)} rule(s), leader mode {policy.leader_mode}"
               f"{', dry run' if policy.dry_run else ''})")
+        # Hook targets as the log shows them: a webhook as scheme://host/... (its path or query is a token).
+        for checked in policy.rules:
+            for hook in checked.prepare:
+                print(f"  prepare hook {hook.name} of rule {checked.name}: {hook.target()}")
+        for hook in policy.recover:
+            print(f"  recover hook {hook.name}: {hook.target()}")
         return 0
     vm_name = args.vm_name
     if args.document:
@@ -280,7 +290,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
         print(f"  matched  {rule.name if rule else '(no rule)'}")
         print(f"  decision {decision.action.upper()}: {decision.reason}")
         if rule is not None and rule.prepare and decision.action != "hold":
-            print(f"  prepare  {', '.join(hook.name for hook in rule.prepare)} must succeed first")
+            print(f"  prepare  {', '.join(f'{hook.name} ({hook.target()})' for hook in rule.prepare)} "
+                  "must succeed first")
     return 0
 
 

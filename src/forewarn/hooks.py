@@ -1,8 +1,10 @@
 """Prepare and recover hooks: the user's own commands and webhooks, run around an approval.
 
 A command is an argument list and runs without a shell (no quoting surprises, no injection through event
-fields). It gets the event as JSON on standard input and a few `FOREWARN_*` environment variables; a
-webhook gets the same JSON as a POST body. Success is exit status 0 or an HTTP 2xx within the timeout.
+fields). It gets the event as JSON on standard input and a clean environment: PATH, HOME, LANG, LC_*, TZ
+from forewarn's, the `FOREWARN_*` event variables, and only the variables its policy entry names in `env`
+(forewarn's own environment holds secrets: connection strings, OTLP headers). A webhook gets the same
+JSON as a POST body. Success is exit status 0 or an HTTP 2xx within the timeout.
 Output is logged (truncated); webhook URLs are logged as scheme and host only, since they often carry a
 token.
 """
@@ -15,18 +17,20 @@ import os
 import subprocess
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import requests
 
 from forewarn import __version__
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
-from forewarn.policy import Hook
+from forewarn.logs import escape_controls
+from forewarn.policy import Hook, safe_url
 
 log = logging.getLogger(__name__)
 
 OUTPUT_LIMIT = 2000
+#: What every command hook inherits from forewarn's environment (when set), besides LC_* and its `env` list.
+BASE_VARIABLES = ("PATH", "HOME", "LANG", "TZ")
 
 
 def hook_payload(kind: str, event: Event, vm: VmInfo, rule: str | None) -> dict[str, Any]:
@@ -34,7 +38,11 @@ def hook_payload(kind: str, event: Event, vm: VmInfo, rule: str | None) -> dict[
 
 
 def hook_environment(kind: str, event: Event, vm: VmInfo, rule: str | None) -> dict[str, str]:
-    return {
+    """The FOREWARN_* variables. Values come from IMDS and may hold anything: an environment value cannot
+    hold NUL (starting the process would fail), and a newline would let the value forge lines in whatever
+    the hook logs, so control characters are escaped (`\\n`, `\\x00`); the JSON on standard input keeps
+    the exact values."""
+    values = {
         "FOREWARN_HOOK": kind,
         "FOREWARN_RULE": rule or "",
         "FOREWARN_EVENT_ID": event.event_id,
@@ -46,11 +54,16 @@ def hook_environment(kind: str, event: Event, vm: VmInfo, rule: str | None) -> d
         "FOREWARN_RESOURCES": ",".join(event.resources),
         "FOREWARN_VM_NAME": vm.name,
     }
+    return {name: escape_controls(value) for name, value in values.items()}
 
 
-def safe_url(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}{f':{parts.port}' if parts.port else ''}/..."
+def command_environment(hook: Hook, kind: str, event: Event, vm: VmInfo, rule: str | None,
+                        environ: Mapping[str, str]) -> dict[str, str]:
+    """A command hook's whole environment, built from `environ` (forewarn's): the base variables, the
+    names the hook lists, then the event variables, which nothing can override."""
+    passed = {name: value for name, value in environ.items()
+              if name in BASE_VARIABLES or name.startswith("LC_") or name in hook.env}
+    return {**passed, **hook_environment(kind, event, vm, rule)}
 
 
 def _clip(text: str) -> str:
@@ -81,7 +94,7 @@ def run_hook(hook: Hook, kind: str, event: Event, vm: VmInfo, rule: str | None,
                   _clip(response.text))
         return "failure"
 
-    env = {**(environ if environ is not None else os.environ), **hook_environment(kind, event, vm, rule)}
+    env = command_environment(hook, kind, event, vm, rule, os.environ if environ is None else environ)
     try:
         done = subprocess.run(list(hook.command), input=payload, capture_output=True, text=True,
                               timeout=hook.timeout, env=env, check=False)
@@ -92,6 +105,9 @@ def run_hook(hook: Hook, kind: str, event: Event, vm: VmInfo, rule: str | None,
         return "timeout"
     except OSError as exc:
         log.error("%s: cannot run %s: %s", label, hook.command[0], exc.strerror or exc)
+        return "error"
+    except ValueError as exc:  # e.g. a NUL in an argument or a passed variable: counted, never a stalled hook
+        log.error("%s: cannot run %s: %s", label, hook.command[0], exc)
         return "error"
     output = _clip((done.stdout or "") + (done.stderr or ""))
     if done.returncode == 0:

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
+import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import yaml
@@ -43,8 +47,35 @@ class PolicyError(ValueError):
 class Hook:
     name: str
     command: tuple[str, ...] = ()
-    webhook: str | None = None
+    webhook: str | None = field(default=None, repr=False)   # often carries a token: never printed whole
     timeout: float = DEFAULT_HOOK_TIMEOUT
+    env: tuple[str, ...] = ()     # names of variables passed from forewarn's environment to the command
+
+    def target(self) -> str:
+        """What the hook runs, safe to show: the command's program, or the webhook as scheme://host/..."""
+        return f"webhook {safe_url(self.webhook)}" if self.webhook else f"command {self.command[0]}"
+
+
+def safe_url(url: str) -> str:
+    """A webhook URL as `scheme://host[:port]/...`: its path, query and user info often hold a token."""
+    try:
+        parts = urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+        host = parts.hostname or "?"
+    except ValueError:
+        return f"{url.split(':', 1)[0] if '://' in url else '?'}://?/..."
+    return f"{parts.scheme or '?'}://{host}{port}/..."
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+
+
+def _hide_urls(message: str, webhooks: Sequence[str]) -> str:
+    """`message` without any webhook URL in it (also one so malformed it has no scheme)."""
+    for webhook in sorted(webhooks, key=len, reverse=True):
+        if webhook:
+            message = message.replace(webhook, safe_url(webhook))
+    return _URL.sub(lambda found: safe_url(found.group(0)), message)
 
 
 @dataclass(frozen=True)
@@ -151,8 +182,28 @@ def _field(path: Sequence[str | int]) -> str:
     return text or "(top level)"
 
 
+def _within_hook(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
+    """For a hook that fits neither shape, the problem inside the shape its key chose (`command` or
+    `webhook`), e.g. its timeout, rather than "needs either command or webhook"."""
+    if error.validator != "oneOf" or not isinstance(error.instance, dict) or not error.context:
+        return error
+    branches = error.validator_value if isinstance(error.validator_value, list) else []
+    chosen = [index for index, branch in enumerate(branches) if set(branch.get("required", ())) <= set(error.instance)]
+    if len(chosen) != 1:
+        return error
+    inside = [e for e in error.context if e.relative_schema_path and e.relative_schema_path[0] == chosen[0]]
+    return jsonschema.exceptions.best_match(inside) if inside else error
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     schema = error.schema if isinstance(error.schema, Mapping) else {}
+    where = list(error.absolute_path)
+    if not where and error.validator == "type":
+        return "expected a mapping with 'rules', e.g. rules: [...]"
+    if where[-1:] == ["webhook"]:
+        return "must be an http:// or https:// URL (the value is not shown: it may hold a token)"
+    if where[-2:-1] == ["env"] and error.validator == "pattern":
+        return f"{error.instance!r} is not a variable name; valid: letters, digits and _, not starting with a digit"
     if error.validator == "additionalProperties":
         allowed = sorted(schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
@@ -164,7 +215,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return error.message.replace("is a required property", "is required")
     if error.validator == "oneOf" and isinstance(error.instance, dict):
         return "a hook needs either 'command' (a list of arguments) or 'webhook' (an http(s) URL), with " \
-               "optional 'name' and 'timeout'"
+               "optional 'name' and 'timeout'; a command may also list 'env' (names of variables to pass)"
+    if error.validator in ("maximum", "minimum", "exclusiveMinimum", "exclusiveMaximum"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        above = "more than" if "exclusiveMinimum" in schema else "from"
+        return f"{error.instance!r} is out of range; valid: {above} {low} to {schema.get('maximum')}"
     if error.validator == "type" and list(error.absolute_path)[-1:] == ["command"]:
         return (f"{error.instance!r} must be a list of arguments, run without a shell, "
                 f"e.g. [\"/usr/bin/drain\", \"--now\"]")
@@ -173,17 +228,51 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return error.message
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read, validate and compile a policy file; raises PolicyError naming file, line and field."""
+def load_policy(path: str | Path, check_commands: bool = True) -> Policy:
+    """Read, validate and compile a policy file; raises PolicyError naming file, line and field.
+
+    `check_commands`: every hook command must be found (on PATH, or at its path) and be executable now,
+    so a policy whose drain script is missing stops start-up instead of holding every event later.
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise PolicyError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    return parse_policy(text, str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                          "save the policy as UTF-8") from None
+    return parse_policy(text, str(path), check_commands=check_commands)
 
 
-def parse_policy(text: str, source: str = "<policy>") -> Policy:
+def _not_finite(data: Any, path: list[str | int]) -> list[str | int] | None:
+    """The path of the first NaN or infinity in `data`: JSON Schema compares NaN false with every bound,
+    so `stagger: .nan` would pass `exclusiveMinimum` and then defeat the stagger."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path
+    items: Any = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _not_finite(value, [*path, key])
+        if found is not None:
+            return found
+    return None
+
+
+def _webhooks(data: Any) -> list[str]:
+    """Every string under a `webhook` key, wherever it sits, to keep them out of error messages."""
+    if isinstance(data, dict):
+        found = [v for k, v in data.items() if k == "webhook" and isinstance(v, str)]
+        return found + [w for v in data.values() for w in _webhooks(v)]
+    if isinstance(data, list):
+        return [w for v in data for w in _webhooks(v)]
+    return []
+
+
+def parse_policy(text: str, source: str = "<policy>", check_commands: bool = False) -> Policy:
+    """Compile policy text. `check_commands` as in `load_policy` (off here: tests and the Kubernetes
+    manifests parse policies for machines whose hook programs this one does not have)."""
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -191,17 +280,23 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         line, _, problem = yaml_problem(exc)
         raise PolicyError(f"{source}{f':{line}' if line else ''}: not valid YAML ({problem})") from None
     if data is None:
-        data = {}
+        raise PolicyError(f"{source}: the policy is empty; expected a mapping with 'rules'")
+    webhooks = _webhooks(data)
+
+    def fail(path: Sequence[str | int], message: str, subject: str | None = None) -> PolicyError:
+        """`FILE:LINE: field: message` (or `subject` in place of the field), with no webhook URL in it."""
+        line = _line_of(root, path)
+        text = f"{source}{f':{line}' if line else ''}: {subject or _field(path)}: {message}"
+        return PolicyError(_hide_urls(text, webhooks))
+
+    infinite = _not_finite(data, [])
+    if infinite is not None:
+        raise fail(infinite, f"{_lookup(data, infinite)!r} is not a finite number")
     validator = jsonschema.Draft202012Validator(_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
-        error = jsonschema.exceptions.best_match(errors)
-        path = list(error.absolute_path)
-        line = _line_of(root, path)
-        raise PolicyError(f"{source}:{line}: {_field(path)}: {_describe(error)}")
-
-    def fail(path: Sequence[str | int], message: str) -> PolicyError:
-        return PolicyError(f"{source}:{_line_of(root, path)}: {_field(path)}: {message}")
+        error = _within_hook(jsonschema.exceptions.best_match(errors))
+        raise fail(list(error.absolute_path), _describe(error))
 
     names: set[str] = set()
     rules = []
@@ -209,7 +304,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         if raw["name"] in names:
             raise fail(["rules", index, "name"], f"rule name {raw['name']!r} is used twice")
         names.add(raw["name"])
-        rules.append(_compile_rule(raw, index, fail))
+        rules.append(_compile_rule(raw, index, fail, check_commands))
     windows = []
     for index, raw in enumerate(data.get("maintenance_windows", [])):
         start, end = _minutes(raw["start"]), _minutes(raw["end"])
@@ -226,9 +321,16 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         max_approvals_per_hour=data.get("max_approvals_per_hour"),
         windows=tuple(windows),
         impactful_types=frozenset(data.get("impactful_types", DEFAULT_IMPACTFUL)),
-        recover=_hooks(data.get("hooks", {}).get("recover", []), "recover"),
+        recover=_hooks(data.get("hooks", {}).get("recover", []), "recover", ["hooks", "recover"], fail,
+                       check_commands),
         source=source,
     )
+
+
+def _lookup(data: Any, path: Sequence[str | int]) -> Any:
+    for step in path:
+        data = data[step]
+    return data
 
 
 def _minutes(text: str) -> int:
@@ -236,16 +338,38 @@ def _minutes(text: str) -> int:
     return int(hours) * 60 + int(minutes)
 
 
-def _hooks(raw: list[dict[str, Any]], prefix: str) -> tuple[Hook, ...]:
+def _hooks(raw: list[dict[str, Any]], prefix: str, at: list[str | int], fail: Any,
+           check_commands: bool) -> tuple[Hook, ...]:
     hooks = []
     for index, item in enumerate(raw):
         name = item.get("name") or f"{prefix}[{index}]"
-        hooks.append(Hook(name=name, command=tuple(item.get("command", ())), webhook=item.get("webhook"),
-                          timeout=float(item.get("timeout", DEFAULT_HOOK_TIMEOUT))))
+        command = tuple(item.get("command", ()))
+        for position, argument in enumerate(command):
+            if "\0" in argument:
+                raise fail([*at, index, "command", position], "contains a NUL character, which no program "
+                           "argument can hold")
+        if command and check_commands:
+            problem = _unrunnable(command[0])
+            if problem:
+                raise fail([*at, index, "command"], problem, subject=f"hook {name}")
+        hooks.append(Hook(name=name, command=command, webhook=item.get("webhook"),
+                          timeout=float(item.get("timeout", DEFAULT_HOOK_TIMEOUT)), env=tuple(item.get("env", ()))))
     return tuple(hooks)
 
 
-def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any) -> Rule:
+def _unrunnable(program: str) -> str | None:
+    """Why `program` cannot be started as a hook's first argument, or None. A name without a slash is
+    looked up on PATH, as the hook's own start will (its PATH is forewarn's)."""
+    if os.sep not in program:
+        return None if shutil.which(program) else f"command {program!r} not found on PATH"
+    if not os.path.exists(program):
+        return f"command {program!r} not found"
+    if not os.path.isfile(program) or not os.access(program, os.X_OK):
+        return f"command {program!r} is not executable"
+    return None
+
+
+def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands: bool) -> Rule:
     match = raw.get("match", {})
     duration = match.get("duration")
     window = match.get("not_before_in", {})
@@ -278,7 +402,8 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any) -> Rule:
             resources=tuple(match.get("resources", ())),
             description=pattern,
         ),
-        prepare=_hooks(raw.get("prepare", []), f"{raw['name']}.prepare"),
+        prepare=_hooks(raw.get("prepare", []), f"{raw['name']}.prepare", ["rules", index, "prepare"], fail,
+                       check_commands),
         on_hook_failure=raw.get("on_hook_failure", "hold"),
         delay=float(raw.get("delay", 0)),
         approve_within=raw.get("approve_within"),

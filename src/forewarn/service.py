@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from forewarn import __version__
 from forewarn.approver import Approver
-from forewarn.config import ConfigError, Settings, parse_listen_address
+from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
 from forewarn.delivery import DeliveryWorker, StoreRef
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
@@ -405,8 +405,9 @@ def run_collector(settings: Settings) -> int:
     server.start()
     for worker in workers:
         worker.start()
-    log.info("forewarn %s polling %s every %.3g s; metrics on %s/metrics; sinks: %s", __version__, endpoint,
-             collector.poll_interval, server.url, ", ".join(s.name for s in sinks) or "none (metrics only)")
+    log.info("forewarn %s polling %s every %.3g s; metrics on %s/metrics; sinks: %s", __version__,
+             redact_url(endpoint), collector.poll_interval, server.url,
+             ", ".join(s.name for s in sinks) or "none (metrics only)")
     try:
         collector.run(stop)
     finally:

@@ -18,6 +18,7 @@ through any configured proxy.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,33 @@ from forewarn.sinks import SinkConfigError, SinkError
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
+
+# What the exporters accept in OTEL_EXPORTER_OTLP_[LOGS_]HEADERS (the specification's W3C-baggage-like
+# list, parsed "liberally" by the SDK: unencoded spaces pass). Anything else the SDK drops with a warning
+# that prints the whole entry, value included, and then exports without that header.
+_HEADER_NAME = re.compile(r"[!#-'*+\-.0-9A-Z^-z|~]+")
+_HEADER_VALUE = re.compile(r"[ !#-+\--:<-\[\]-~]*")
+_HEADER_SEPARATOR = re.compile(r"[ \t]*,[ \t]*")
+
+
+def check_header_variables(environ: Mapping[str, str]) -> None:
+    """Refuse malformed OTLP header variables naming the variable and the header, never the value (it is
+    usually a token): a header the SDK drops would otherwise turn into rejected exports, forever."""
+    variable = "OTEL_EXPORTER_OTLP_LOGS_HEADERS"
+    if not environ.get(variable):
+        variable = "OTEL_EXPORTER_OTLP_HEADERS"
+    for position, entry in enumerate(_HEADER_SEPARATOR.split(environ.get(variable, "")), start=1):
+        if not entry.strip():
+            continue
+        name, equals, value = entry.partition("=")
+        name = name.strip(" \t")
+        if not equals or not _HEADER_NAME.fullmatch(name):
+            raise SinkConfigError(f"{variable}: entry {position} is not NAME=VALUE (the entry is not shown: it "
+                                  "may hold a secret); valid: comma-separated name=value pairs, values URL-encoded")
+        if not _HEADER_VALUE.fullmatch(value.strip(" \t")):
+            raise SinkConfigError(f"{variable}: header {name!r} has a value with characters that must be "
+                                  "URL-encoded (quotes, semicolons, backslashes, commas, non-ASCII or control "
+                                  "characters); the value is not shown")
 
 
 def _protocol(explicit: str | None) -> str:
@@ -99,6 +127,7 @@ class OtlpSink:
 
     def __init__(self, endpoint: str | None = None, protocol: str | None = None) -> None:
         self.protocol = _protocol(protocol)
+        check_header_variables(os.environ)
         self._endpoint = endpoint
         self._exporter: Any = self._new_exporter()
 
