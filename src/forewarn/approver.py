@@ -66,6 +66,13 @@ class Approver:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def replace_policy(self, policy: Policy, dry_run: bool = False) -> None:
+        """Decide by `policy` from the next poll on (SIGHUP). Hooks and POSTs already on the pool finish
+        as they began. `dry_run` is --dry-run, which a policy can add to but not take away."""
+        with self._lock:
+            self.policy = policy
+            self.dry_run = dry_run or policy.dry_run
+
     # --- called by the collector after every good poll -----------------------------------------
     def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None:
         now = self.clock()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Sequence
 
 from forewarn.imds.client import Backoff
 from forewarn.logs import StateLog
@@ -52,12 +54,16 @@ class DeliveryWorker:
 
     def stop(self, drain_timeout: float = 5.0) -> None:
         """Deliver what is waiting (up to `drain_timeout` seconds), then end the thread."""
+        stop_workers([self], drain_timeout)
+
+    def _begin_drain(self) -> None:
+        """Deliver what is waiting, then end (a failed send ends it at once: there is no time to retry)."""
         self._draining.set()
         self._wake.set()
-        self._thread.join(drain_timeout)
+
+    def _halt(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(1.0)
 
     def _publish_backlog(self, store: Store) -> None:
         try:
@@ -116,3 +122,43 @@ class DeliveryWorker:
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
                 self._stop.wait(0.5)
             self._publish_backlog(store)
+
+
+#: After the drain timeout, how long workers get to notice the stop (one in a backoff wait ends at once).
+HALT_GRACE = 0.2
+
+
+def stop_workers(workers: Sequence[DeliveryWorker], drain_timeout: float) -> list[str]:
+    """Let every worker deliver what is waiting, all at once, for `drain_timeout` seconds in total, then
+    stop them; returns the sinks still busy. A sink that hangs is left to its daemon thread: its records
+    were never acknowledged, so they stay in the outbox and go out after the next start."""
+    for worker in workers:
+        worker._begin_drain()
+    deadline = time.monotonic() + drain_timeout
+    for worker in workers:
+        worker._thread.join(max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        worker._halt()
+    deadline = time.monotonic() + HALT_GRACE
+    for worker in workers:
+        worker._thread.join(max(0.0, deadline - time.monotonic()))
+    return [worker.sink.name for worker in workers if worker._thread.is_alive()]
+
+
+def close_sinks(sinks: Sequence[Sink], timeout: float = 1.0) -> list[str]:
+    """Close every sink at once, for `timeout` seconds in total (a client library may wait on a dead
+    peer while closing); returns the sinks that had not finished."""
+    def close(sink: Sink) -> None:
+        try:
+            sink.close()
+        except Exception as exc:  # closing is best effort: the process is stopping either way
+            log.warning("closing sink %s: %s", sink.name, exc)
+
+    threads = [threading.Thread(target=close, args=(sink,), name=f"close-{sink.name}", daemon=True)
+               for sink in sinks]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [sink.name for sink, thread in zip(sinks, threads, strict=True) if thread.is_alive()]

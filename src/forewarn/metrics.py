@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -108,6 +108,15 @@ class Metrics:
         self.store_errors = Counter(
             "azure_scheduled_events_state_write_errors_total",
             "Failed writes of state or outbox (disk full, read-only state dir).", registry=r)
+        # As Prometheus's own prometheus_config_last_reload_successful: 1 while the policy in use is the file's.
+        self.policy_reload_ok = Gauge(
+            "azure_scheduled_events_policy_last_reload_successful",
+            "1 if the last load of --policy (at start or on SIGHUP) succeeded, 0 if the file was refused and the "
+            "previous policy is still in use.", registry=r)
+        self.policy_reload_ok.set(1)
+        self.policy_reload_time = Gauge(
+            "azure_scheduled_events_policy_last_reload_success_timestamp_seconds",
+            "Unix time of the last successful load of --policy (0 without a policy).", registry=r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=r)
         for hook in ("prepare", "recover"):

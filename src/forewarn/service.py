@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from forewarn import __version__
 from forewarn.approver import Approver
 from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
-from forewarn.delivery import DeliveryWorker, StoreRef
+from forewarn.delivery import DeliveryWorker, StoreRef, close_sinks, stop_workers
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
@@ -369,7 +369,9 @@ def run_collector(settings: Settings) -> int:
     metrics = Metrics(api_version=settings.api_version)
     try:
         server = MetricsServer(host, port, metrics.render,
-                               readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
+                               readiness_check(lambda: metrics.views.view.last_success, settings.ready_window),
+                               read_timeout=settings.web_read_timeout, max_connections=settings.web_max_connections,
+                               max_request_bytes=settings.web_max_request_bytes)
     except OSError as exc:
         raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
             from None
@@ -400,8 +402,20 @@ def run_collector(settings: Settings) -> int:
             log.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    reloading = threading.Lock()
+
+    def reload() -> None:
+        with reloading:  # SIGHUPs in quick succession load one after another, the last file wins
+            reload_policy(settings, approver, metrics)
+
+    def on_hangup(signum: int, frame: Any) -> None:
+        # The main thread may be inside the approver's lock when the signal lands: taking it here would
+        # deadlock, so the file is read and swapped in on a thread of its own.
+        threading.Thread(target=reload, name="policy-reload", daemon=True).start()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     server.start()
     for worker in workers:
         worker.start()
@@ -412,13 +426,12 @@ def run_collector(settings: Settings) -> int:
         collector.run(stop)
     finally:
         stop.set()
-        for worker in workers:
-            worker.stop(drain_timeout=5)
-        for sink in sinks:
-            try:
-                sink.close()
-            except Exception as exc:
-                log.warning("closing sink %s: %s", sink.name, exc)
+        # All sinks drain at once, so --drain-timeout bounds the whole stop, however many sinks hang.
+        for name in stop_workers(workers, settings.drain_timeout):
+            log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
+                        "and are delivered after the next start", name, settings.drain_timeout)
+        for name in close_sinks(sinks):
+            log.warning("sink %s did not close within 1 s; leaving it", name)
         if approver is not None:
             approver.close()
         server.stop()
@@ -442,6 +455,26 @@ def build_approver(settings: Settings, collector: Collector, client: ImdsClient,
     except PolicyError as exc:
         raise ConfigError(f"--policy {exc}") from None
     approver = Approver(policy, client, metrics, collector.spool, dry_run=settings.dry_run)
+    metrics.policy_reload_time.set(time.time())
     log.info("approval policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
              policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")
     return approver
+
+
+def reload_policy(settings: Settings, approver: Approver | None, metrics: Metrics) -> None:
+    """SIGHUP: read --policy again. A valid file decides from the next poll on; a refused one is logged
+    with its position and the policy in use stays (the metrics say which happened, as Prometheus does)."""
+    if approver is None or not settings.policy:
+        log.info("received SIGHUP: no --policy to reload; carrying on")
+        return
+    try:
+        policy = load_policy(settings.policy)
+    except PolicyError as exc:
+        metrics.policy_reload_ok.set(0)
+        log.error("received SIGHUP: cannot reload the policy (%s); keeping the previous policy", exc)
+        return
+    approver.replace_policy(policy, dry_run=settings.dry_run)
+    metrics.policy_reload_ok.set(1)
+    metrics.policy_reload_time.set(time.time())
+    log.info("reloaded policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
+             policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")
