@@ -106,8 +106,10 @@ def check_samples(families: Iterable[Any], document: Document) -> int:
 def check_metrics(document: Document) -> tuple[bytes, bytes]:
     text, openmetrics = expositions(document)
     count = check_samples(parse_text(text.decode("utf-8")), document)
-    assert openmetrics.endswith(b"# EOF\n") and openmetrics.count(b"# EOF") == 1
-    assert check_samples(parse_openmetrics(openmetrics.decode("utf-8")), document) == count  # type: ignore[no-untyped-call]
+    # "# EOF" may also appear inside a label value (an EventId of "# EOF"), but only once as a line
+    assert openmetrics.endswith(b"\n# EOF\n") and openmetrics.split(b"\n").count(b"# EOF") == 1
+    families = parse_openmetrics(openmetrics.decode("utf-8"))  # type: ignore[no-untyped-call]
+    assert check_samples(families, document) == count
     return text, openmetrics
 
 
@@ -229,9 +231,13 @@ def kitchen_sinks() -> list[Document]:
     return sinks
 
 
-def test_kitchen_sink_documents_render_and_serialize() -> None:
+def test_kitchen_sink_documents_render_expositions_prometheus_clients_parse() -> None:
     for document in kitchen_sinks():
         check_metrics(document)
+
+
+def test_kitchen_sink_documents_turn_into_valid_records() -> None:
+    for document in kitchen_sinks():
         check_records(document)
 
 
