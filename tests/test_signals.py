@@ -45,7 +45,9 @@ def signal_and_wait(proc: CollectorProcess, signum: int, timeout: float = 15) ->
     started = time.monotonic()
     proc.proc.send_signal(signum)
     code = proc.proc.wait(timeout)
-    return code, time.monotonic() - started
+    elapsed = time.monotonic() - started
+    proc.stop()  # already ended: this only closes its log
+    return code, elapsed
 
 
 # --- SIGHUP: reload the policy -----------------------------------------------------------------------

@@ -164,8 +164,9 @@ def test_a_flood_of_slow_connections_neither_starves_scrapes_nor_grows_threads(
             elapsed = time.monotonic() - started
             assert response.status_code == 200 and elapsed < 2.0, elapsed
             most_threads = max(most_threads, threads_of(pid))
-        # The HTTP server may use its acceptor and at most --web-max-connections (16) workers.
-        assert most_threads <= before + 17, (before, most_threads)
+        # At most --web-max-connections (16) workers join the acceptor; the simulator may add a few of
+        # its own for instance metadata. A thread per connection would be 400 more.
+        assert most_threads <= before + 16 + 4, (before, most_threads)
         wait_until(lambda: (sample(proc.metrics(), LAST_SUCCESS) or 0) > (first_success or 0),
                    message="polling goes on during the flood")
         assert proc.alive()
