@@ -22,9 +22,9 @@ from typing import Any
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
+from forewarn.outbox.store import DB_FILE, Store
 from forewarn.records import to_record
 from forewarn.simulator import Simulator, SimulatorServer, load_scenario
-from forewarn.store import DB_FILE, Store
 from forewarn.tracker import diff_documents
 
 from common import Collector, header, write_results  # also puts tests/ (the peers) on sys.path

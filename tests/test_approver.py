@@ -18,12 +18,12 @@ from typing import Any, cast
 
 import pytest
 
-from forewarn.approver import CONFIRM_AFTER, Approver
+from forewarn.approval.approver import CONFIRM_AFTER, Approver
+from forewarn.approval.policy import parse_policy
 from forewarn.imds.client import ImdsClient, ImdsError
 from forewarn.imds.document import Document, format_not_before, parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.policy import parse_policy
 from forewarn.records import Record
 from forewarn.tracker import Tracker
 

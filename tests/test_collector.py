@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from forewarn import service
-from forewarn.delivery import DeliveryWorker, StoreRef
+from forewarn import agent, poller
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
+from forewarn.outbox.delivery import DeliveryWorker, StoreRef
+from forewarn.outbox.store import DB_FILE, Store
 from forewarn.sinks.file import FileSink
-from forewarn.store import DB_FILE, Store
 
 from conftest import SimulatorHandle, wait_until
 
@@ -47,16 +47,16 @@ def fill(directory: Path) -> Path:
     return filler
 
 
-def make_collector(url: str, state_dir: Path, records: Path) -> tuple[service.Collector, threading.Event]:
+def make_collector(url: str, state_dir: Path, records: Path) -> tuple[poller.Poller, threading.Event]:
     metrics = Metrics()
     sink = FileSink(str(records))
     metrics.add_sink(sink.name)
-    store, writable = service.open_store(state_dir, [sink.name], 1000)
+    store, writable = agent.open_store(state_dir, [sink.name], 1000)
     stores = StoreRef(store)
     stop = threading.Event()
     worker = DeliveryWorker(sink, stores, metrics, stop=stop, idle_refresh=0.1)
     worker.start()
-    collector = service.Collector(ImdsClient(url), metrics, store, state_dir, [worker], stores=stores,
+    collector = poller.Poller(ImdsClient(url), metrics, store, state_dir, [worker], stores=stores,
                                   poll_interval=0.2, store_writable=writable)
     return collector, stop
 
@@ -74,7 +74,7 @@ def add_event(sim: SimulatorHandle, event_id: str) -> None:
 def test_full_disk_degrades_to_memory_and_recovers_without_loss(
         small_disk: Path, tmp_path: Path, simulator: Callable[..., SimulatorHandle],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "STORE_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(poller, "STORE_RETRY_SECONDS", 0.0)
     sim = simulator("quiet", rate_limit=None)
     records = tmp_path / "records.jsonl"
     state_dir = small_disk / "state"
@@ -116,7 +116,7 @@ def test_full_disk_degrades_to_memory_and_recovers_without_loss(
 
 def test_state_dir_that_cannot_be_created_is_retried(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "STORE_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(poller, "STORE_RETRY_SECONDS", 0.0)
     sim = simulator("quiet", rate_limit=None)
     blocker = tmp_path / "blocker"
     blocker.write_text("in the way")
@@ -166,11 +166,11 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
     blocked.write_text("x")
     sink = FileSink(str(blocked / "records.jsonl"))  # a sink that never accepts: everything stays waiting
     metrics.add_sink(sink.name)
-    store, _ = service.open_store(tmp_path / "state", [sink.name], max_records=3)
+    store, _ = agent.open_store(tmp_path / "state", [sink.name], max_records=3)
     stores = StoreRef(store)
     worker = DeliveryWorker(sink, stores, metrics, idle_refresh=0.1)
     worker.start()
-    collector = service.Collector(ImdsClient(sim.url), metrics, store, tmp_path / "state", [worker], stores=stores,
+    collector = poller.Poller(ImdsClient(sim.url), metrics, store, tmp_path / "state", [worker], stores=stores,
                                   poll_interval=0.2)
     try:
         for event_id in ("A", "B", "C", "D", "E"):

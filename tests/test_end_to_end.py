@@ -156,7 +156,7 @@ def test_faults_keep_the_collector_running_and_lose_nothing(fault: str, simulato
         assert sample(samples, "azure_scheduled_events_imds_requests_total", method="GET", code=fault) >= 4
     assert sim.sim.max_rate("forewarn/") <= 5
     log = proc.log()
-    assert log.count("ERROR   forewarn.service") + log.count("ERROR") <= 2, log  # once per state change
+    assert log.count("ERROR   forewarn.poller") + log.count("ERROR") <= 2, log  # once per state change
     assert "recovered" in log
     assert proc.stop() == 0
 
@@ -300,7 +300,7 @@ def test_simulated_run_without_a_state_dir_removes_its_temporary_state_at_stop(t
     import signal
     import sys
 
-    from forewarn.store import DB_FILE
+    from forewarn.outbox.store import DB_FILE
 
     from conftest import free_port
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from forewarn.hooks import run_hook
+from forewarn.approval.hooks import run_hook
+from forewarn.approval.policy import Hook, PolicyError, parse_policy
 from forewarn.imds.document import Event, parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.policy import Hook, PolicyError, parse_policy
 
 VM = VmInfo(name="vm-0", vm_id="0000")
 #: Dumps its environment and its standard input (the event JSON) to the file named by its argument.

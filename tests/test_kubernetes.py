@@ -121,7 +121,7 @@ def test_monitoring_objects_match_the_service_and_the_rule_file(tmp_path: Path) 
 
 
 def test_policy_config_map_is_a_valid_policy(tmp_path: Path) -> None:
-    from forewarn.policy import parse_policy
+    from forewarn.approval.policy import parse_policy
 
     config_map = by_kind(build("base"), "ConfigMap")
     assert parse_policy(config_map["data"]["policy.yaml"]).rules

@@ -6,7 +6,7 @@ import threading
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.store import Backlog
+from forewarn.outbox.store import Backlog
 
 from conftest import parse_metrics, require_promtool, sample, series
 

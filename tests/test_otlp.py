@@ -203,13 +203,13 @@ def test_slow_receiver_delays_nothing_but_its_own_delivery(simulator: Callable[.
 def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp_path: Any) -> None:
     from datetime import datetime, timezone
 
-    from forewarn.delivery import DeliveryWorker, StoreRef
     from forewarn.imds.document import parse_document
     from forewarn.imds.instance import VmInfo
     from forewarn.metrics import Metrics
+    from forewarn.outbox.delivery import DeliveryWorker, StoreRef
+    from forewarn.outbox.store import Store
     from forewarn.records import to_record
     from forewarn.sinks.otlp import OtlpSink
-    from forewarn.store import Store
     from forewarn.tracker import diff_documents
 
     def records(first: int) -> list[Any]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from forewarn.approval.policy import PolicyError, decide, load_policy, parse_policy
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event, parse_document
-from forewarn.policy import PolicyError, decide, load_policy, parse_policy
 
 from conftest import free_port
 

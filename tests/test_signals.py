@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from forewarn.delivery import DeliveryWorker, StoreRef, stop_workers
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
+from forewarn.outbox.delivery import DeliveryWorker, StoreRef, stop_workers
+from forewarn.outbox.store import DB_FILE, Store
 from forewarn.records import Record, to_record
-from forewarn.store import DB_FILE, Store
 from forewarn.tracker import diff_documents
 
 from conftest import CollectorProcess, SimulatorHandle, sample, wait_for_polls, wait_until

@@ -11,7 +11,7 @@ from forewarn.sinks import SinkConfigError, build_sink
 
 PROBE = """
 import sys
-from forewarn.service import build_sinks
+from forewarn.agent import build_sinks
 build_sinks({specs!r})
 heavy = sorted({{m.split('.')[0] + '.' + m.split('.')[1] if '.' in m else m for m in sys.modules
                 if m.startswith(('azure.eventhub', 'azure.identity', 'opentelemetry', 'grpc'))}})

@@ -12,8 +12,8 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
+from forewarn.outbox.store import DB_FILE, Store, StoreError
 from forewarn.records import Record, to_record
-from forewarn.store import DB_FILE, Store, StoreError
 from forewarn.tracker import diff_documents
 
 

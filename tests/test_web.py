@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import requests
 
-from forewarn.web import MetricsServer
+from forewarn.web.server import MetricsServer
 
 from conftest import CollectorProcess, sample, wait_until
 

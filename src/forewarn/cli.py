@@ -237,7 +237,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from forewarn.policy import PolicyError, decide, first_match, load_policy
+    from forewarn.approval.policy import PolicyError, decide, first_match, load_policy
 
     if args.policy_command is None:
         raise ConfigError("policy needs a subcommand: check or explain")
@@ -331,13 +331,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from forewarn.service import run_collector
+    from forewarn.agent import run_agent
 
     settings = resolve(args, RUN_OPTIONS)
     setup_logging(settings.log_format, settings.log_level)
     log.info("forewarn %s starting with %s", __version__,
              json.dumps({k: v for k, v in settings.redacted().items()}, sort_keys=True))
-    return run_collector(settings)
+    return run_agent(settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from forewarn.imds.client import Backoff
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
+from forewarn.outbox.store import Store, StoreError
 from forewarn.sinks import Sink
-from forewarn.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from typing import Any
 import requests
 
 from forewarn import __version__
+from forewarn.approval.policy import Hook, safe_url
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import escape_controls
-from forewarn.policy import Hook, safe_url
 
 log = logging.getLogger(__name__)
 

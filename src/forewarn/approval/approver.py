@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from forewarn.hooks import run_hook
+from forewarn.approval.hooks import run_hook
+from forewarn.approval.policy import Hook, Policy, decide, first_match
 from forewarn.imds.client import Backoff, ImdsClient, ImdsError
 from forewarn.imds.document import Document, Event
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.policy import Hook, Policy, decide, first_match
 from forewarn.records import Record, to_record
 from forewarn.tracker import Change, ChangeKind, Outcome
 

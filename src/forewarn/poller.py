@@ -1,4 +1,4 @@
-"""The collector: poll IMDS, track changes, publish metrics, spool records, hand changes on.
+"""The poller: poll IMDS, track changes, publish metrics, spool records, hand changes on.
 
 One poll, from the wire to every consumer:
     client.get_scheduled_events() -> Document -> Tracker.apply() -> [Change]
@@ -12,30 +12,22 @@ have threads of their own, so nothing they do can delay a poll.
 from __future__ import annotations
 
 import logging
-import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from forewarn import __version__
-from forewarn.approver import Approver
-from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
-from forewarn.delivery import DeliveryWorker, StoreRef, close_sinks, stop_workers
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
-from forewarn.policy import PolicyError, load_policy
+from forewarn.outbox.delivery import DeliveryWorker, StoreRef
+from forewarn.outbox.store import DB_FILE, Store, StoreError
 from forewarn.records import Record, to_record
-from forewarn.sinks import Sink, SinkConfigError, build_sink
-from forewarn.store import DB_FILE, Store, StoreError
 from forewarn.tracker import Change, ChangeKind, Tracker
-from forewarn.web import MetricsServer, readiness_check
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +45,7 @@ class ChangeListener(Protocol):
     def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None: ...
 
 
-class Collector:
+class Poller:
     """The poll loop and what it feeds. Everything with I/O is passed in, so tests can drive it."""
 
     def __init__(
@@ -308,173 +300,3 @@ class Collector:
                 # the next interval from now, rather than catching up with a poll right after this one.
                 next_poll = finished + delay
             stop.wait(max(0.0, next_poll - time.monotonic()))
-
-
-def open_store(state_dir: Path | None, sinks: Sequence[str], max_records: int) -> tuple[Store, bool]:
-    """The disk store, or an in-memory one (and False) when the state dir cannot be used."""
-    if state_dir is not None:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            return Store(state_dir / DB_FILE, sinks, max_records), True
-        except (OSError, StoreError) as exc:
-            log.error("state dir %s is unusable (%s); holding state and records in memory until it is",
-                      state_dir, exc)
-    return Store(None, sinks, max_records), state_dir is None
-
-
-def build_sinks(specs: Sequence[str], options: Settings | None = None) -> list[Sink]:
-    sinks: list[Sink] = []
-    for spec in specs:
-        try:
-            sinks.append(build_sink(spec, options.values if options is not None else None))
-        except SinkConfigError as exc:
-            raise ConfigError(str(exc)) from None
-    names = [sink.name for sink in sinks]
-    if len(set(names)) != len(names):
-        raise ConfigError("--sink: the same sink is given twice")
-    return sinks
-
-
-def run_collector(settings: Settings) -> int:
-    """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
-    sinks = build_sinks(settings.sink, settings)
-    host, port = parse_listen_address(settings.listen_address)
-    simulator_server = None
-    scratch: tempfile.TemporaryDirectory[str] | None = None  # a simulated run's state, removed at stop
-    endpoint = settings.imds_endpoint
-    state_dir = Path(settings.state_dir) if settings.state_dir else None
-    if settings.simulate:
-        from forewarn.simulator import Simulator, SimulatorServer, load_scenario
-        from forewarn.simulator.timeline import Faults, parse_fault
-
-        faults = Faults()
-        try:
-            for spec in settings.fault:
-                parse_fault(spec, faults)
-            scenario = load_scenario(settings.simulate)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        simulator_server = SimulatorServer(Simulator(scenario, speed=settings.speed, faults=faults))
-        simulator_server.serve_in_background()
-        endpoint = simulator_server.url
-        if state_dir is None:
-            scratch = tempfile.TemporaryDirectory(prefix="forewarn-sim-", ignore_cleanup_errors=True)
-            state_dir = Path(scratch.name)
-        log.info("simulator: scenario %s at %gx speed on %s", scenario.name, settings.speed, endpoint)
-    elif endpoint == "discover":
-        from forewarn.imds.discovery import discover_endpoint
-
-        endpoint = discover_endpoint()
-
-    metrics = Metrics(api_version=settings.api_version)
-    try:
-        server = MetricsServer(host, port, metrics.render,
-                               readiness_check(lambda: metrics.views.view.last_success, settings.ready_window),
-                               read_timeout=settings.web_read_timeout, max_connections=settings.web_max_connections,
-                               max_request_bytes=settings.web_max_request_bytes)
-    except OSError as exc:
-        raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
-            from None
-
-    store, writable = open_store(state_dir, [sink.name for sink in sinks], settings.outbox_max_records)
-    stores = StoreRef(store)
-    stop = threading.Event()
-    workers = [DeliveryWorker(sink, stores, metrics) for sink in sinks]
-    for sink in sinks:
-        metrics.add_sink(sink.name)
-
-    def observe(method: str, code: str, seconds: float) -> None:
-        metrics.imds_requests.labels(method, code).inc()
-        metrics.imds_duration.labels(method).observe(seconds)
-
-    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe,
-                        max_reply_bytes=settings.imds_max_reply_bytes)
-    collector = Collector(client, metrics, store, state_dir, workers, stores=stores, vm_name=settings.vm_name,
-                          poll_interval=settings.poll_interval, max_backoff=settings.imds_max_backoff,
-                          compute_refresh=settings.compute_refresh, store_writable=writable)
-    approver = build_approver(settings, collector, client, metrics)
-    if approver is not None:
-        collector.listeners.append(approver)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        # `timeout`, shells and supervisors often signal the process and then its group: say it once.
-        if not stop.is_set():
-            log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    reloading = threading.Lock()
-
-    def reload() -> None:
-        with reloading:  # SIGHUPs in quick succession load one after another, the last file wins
-            reload_policy(settings, approver, metrics)
-
-    def on_hangup(signum: int, frame: Any) -> None:
-        # The main thread may be inside the approver's lock when the signal lands: taking it here would
-        # deadlock, so the file is read and swapped in on a thread of its own.
-        threading.Thread(target=reload, name="policy-reload", daemon=True).start()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
-        signal.signal(signum, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
-    server.start()
-    for worker in workers:
-        worker.start()
-    log.info("forewarn %s polling %s every %.3g s; metrics on %s/metrics; sinks: %s", __version__,
-             redact_url(endpoint), collector.poll_interval, server.url,
-             ", ".join(s.name for s in sinks) or "none (metrics only)")
-    try:
-        collector.run(stop)
-    finally:
-        stop.set()
-        # All sinks drain at once, so --drain-timeout bounds the whole stop, however many sinks hang.
-        for name in stop_workers(workers, settings.drain_timeout):
-            log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
-                        "and are delivered after the next start", name, settings.drain_timeout)
-        for name in close_sinks(sinks):
-            log.warning("sink %s did not close within 1 s; leaving it", name)
-        if approver is not None:
-            approver.close()
-        server.stop()
-        client.close()
-        if simulator_server is not None:
-            simulator_server.stop()
-        if scratch is not None:
-            scratch.cleanup()
-        log.info("stopped")
-    return 0
-
-
-def build_approver(settings: Settings, collector: Collector, client: ImdsClient, metrics: Metrics) -> Approver | None:
-    """The approver when a policy is given; without one nothing is ever approved."""
-    if not settings.policy:
-        if settings.dry_run:
-            log.info("--dry-run without --policy: nothing would be approved anyway")
-        return None
-    try:
-        policy = load_policy(settings.policy)
-    except PolicyError as exc:
-        raise ConfigError(f"--policy {exc}") from None
-    approver = Approver(policy, client, metrics, collector.spool, dry_run=settings.dry_run)
-    metrics.policy_reload_time.set(time.time())
-    log.info("approval policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
-             policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")
-    return approver
-
-
-def reload_policy(settings: Settings, approver: Approver | None, metrics: Metrics) -> None:
-    """SIGHUP: read --policy again. A valid file decides from the next poll on; a refused one is logged
-    with its position and the policy in use stays (the metrics say which happened, as Prometheus does)."""
-    if approver is None or not settings.policy:
-        log.info("received SIGHUP: no --policy to reload; carrying on")
-        return
-    try:
-        policy = load_policy(settings.policy)
-    except PolicyError as exc:
-        metrics.policy_reload_ok.set(0)
-        log.error("received SIGHUP: cannot reload the policy (%s); keeping the previous policy", exc)
-        return
-    approver.replace_policy(policy, dry_run=settings.dry_run)
-    metrics.policy_reload_ok.set(1)
-    metrics.policy_reload_time.set(time.time())
-    log.info("reloaded policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
-             policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")

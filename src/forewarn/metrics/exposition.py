@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Document
 from forewarn.imds.instance import VmInfo
-from forewarn.store import Backlog
+from forewarn.outbox.store import Backlog
 
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
