@@ -191,3 +191,25 @@ def test_run_simulate_serves_metrics_and_prints_records() -> None:
         out, _ = proc.communicate(timeout=10)
     assert proc.returncode == 0
     assert json.loads(out.splitlines()[0])["data"]["event"]["EventType"] == "Preempt"
+
+
+def test_settings_has_one_typed_field_per_option_of_the_table() -> None:
+    import dataclasses
+
+    from forewarn.config import RUN_OPTIONS, Settings
+
+    fields = {f.name for f in dataclasses.fields(Settings)} - {"sources"}
+    assert fields == {option.dest for option in RUN_OPTIONS}
+
+
+def test_one_shot_commands_read_the_same_options_and_variables_as_run(
+        simulator: Callable[..., SimulatorHandle], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.cli import main
+
+    sim = simulator("quiet")
+    monkeypatch.setenv("FOREWARN_IMDS_ENDPOINT", sim.url)
+    assert main(["events", "--output", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["DocumentIncarnation"] >= 0
+    assert main(["events", "--imds-timeout", "nan"]) == 2
+    assert "--imds-timeout" in capsys.readouterr().err

@@ -7,13 +7,11 @@ endpoints, the outbox and its delivery workers, the sinks, the approver, and the
 from __future__ import annotations
 
 import logging
-import signal
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from forewarn import __version__
 from forewarn.approval.approver import Approver
@@ -24,6 +22,7 @@ from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker, StoreRef, close_sinks, stop_workers
 from forewarn.outbox.store import DB_FILE, Store, StoreError
 from forewarn.poller import Poller
+from forewarn.signals import handle_signals
 from forewarn.sinks import Sink, SinkConfigError, build_sink
 from forewarn.web.server import MetricsServer, readiness_check
 
@@ -64,23 +63,18 @@ def run_agent(settings: Settings) -> int:
     endpoint = settings.imds_endpoint
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     if settings.simulate:
-        from forewarn.simulator import Simulator, SimulatorServer, load_scenario
-        from forewarn.simulator.timeline import Faults, parse_fault
+        from forewarn.simulator import start_simulator
 
-        faults = Faults()
         try:
-            for spec in settings.fault:
-                parse_fault(spec, faults)
-            scenario = load_scenario(settings.simulate)
+            simulator_server = start_simulator(settings.simulate, settings.speed, settings.fault)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        simulator_server = SimulatorServer(Simulator(scenario, speed=settings.speed, faults=faults))
-        simulator_server.serve_in_background()
         endpoint = simulator_server.url
         if state_dir is None:
             scratch = tempfile.TemporaryDirectory(prefix="forewarn-sim-", ignore_cleanup_errors=True)
             state_dir = Path(scratch.name)
-        log.info("simulator: scenario %s at %gx speed on %s", scenario.name, settings.speed, endpoint)
+        log.info("simulator: scenario %s at %gx speed on %s", simulator_server.simulator.scenario.name,
+                 settings.speed, endpoint)
     elif endpoint == "discover":
         from forewarn.imds.discovery import discover_endpoint
 
@@ -116,26 +110,7 @@ def run_agent(settings: Settings) -> int:
     if approver is not None:
         collector.listeners.append(approver)
 
-    def on_signal(signum: int, frame: Any) -> None:
-        # `timeout`, shells and supervisors often signal the process and then its group: say it once.
-        if not stop.is_set():
-            log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    reloading = threading.Lock()
-
-    def reload() -> None:
-        with reloading:  # SIGHUPs in quick succession load one after another, the last file wins
-            reload_policy(settings, approver, metrics)
-
-    def on_hangup(signum: int, frame: Any) -> None:
-        # The main thread may be inside the approver's lock when the signal lands: taking it here would
-        # deadlock, so the file is read and swapped in on a thread of its own.
-        threading.Thread(target=reload, name="policy-reload", daemon=True).start()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
-        signal.signal(signum, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    handle_signals(stop, reload=lambda: reload_policy(settings, approver, metrics))
     server.start()
     for worker in workers:
         worker.start()

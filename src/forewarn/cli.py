@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import platform
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -26,14 +25,13 @@ from forewarn.config import (
     ConfigError,
     add_options,
     argument_type,
-    endpoint_url,
     listen_address,
     parse_listen_address,
     read_text_file,
     redact_url,
     resolve,
 )
-from forewarn.imds.client import DEFAULT_ENDPOINT, ImdsClient, ImdsError, with_retries
+from forewarn.imds.client import ImdsClient, ImdsError, with_retries
 from forewarn.imds.document import API_VERSIONS, Document, DocumentError
 from forewarn.logs import setup_logging
 
@@ -48,13 +46,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: The options of `run` that the one-shot commands (events, approve, policy explain) take as well: the same
+#: table, names, variables and checks, so `FOREWARN_IMDS_ENDPOINT` means one thing everywhere.
+IMDS_OPTIONS = tuple(option for option in RUN_OPTIONS if option.name in ("imds-endpoint", "api-version",
+                                                                        "imds-timeout"))
+
+
 def _endpoint_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--imds-endpoint", type=argument_type(endpoint_url), default=DEFAULT_ENDPOINT, metavar="URL",
-                        help=f"IMDS base URL or 'discover' (default {DEFAULT_ENDPOINT})")
-    parser.add_argument("--api-version", default=DEFAULT_API_VERSION, choices=API_VERSIONS, metavar="V",
-                        help=f"Scheduled Events API version (default {DEFAULT_API_VERSION})")
-    parser.add_argument("--timeout", type=argument_type(REQUEST_TIMEOUT), default=10.0, metavar="SECONDS",
-                        help=f"per-request timeout, {REQUEST_TIMEOUT.valid} (default 10)")
+    add_options(parser, IMDS_OPTIONS)
+    # The spelling these commands had before they shared run's options; kept so that scripts still work.
+    parser.add_argument("--timeout", dest="imds_timeout", type=argument_type(REQUEST_TIMEOUT),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,12 +181,15 @@ def format_table(document: Document, vm_name: str | None, now: datetime) -> str:
 
 
 def _client_for(args: argparse.Namespace) -> ImdsClient:
-    endpoint = args.imds_endpoint
+    settings = resolve(args, IMDS_OPTIONS)
+    endpoint = settings.imds_endpoint
     if endpoint == "discover":
         from forewarn.imds.discovery import discover_endpoint
 
         endpoint = discover_endpoint()
-    return ImdsClient(endpoint, args.api_version, timeout=args.timeout, first_timeout=max(args.timeout, 120))
+    # The first request may take up to two minutes while IMDS switches Scheduled Events on.
+    return ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout,
+                      first_timeout=max(settings.imds_timeout, 120))
 
 
 class CommandFailed(Exception):
@@ -296,35 +301,27 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from forewarn.simulator import SCENARIOS, Simulator, SimulatorServer, load_scenario
-    from forewarn.simulator.timeline import Faults, parse_fault
+    from forewarn.signals import handle_signals
+    from forewarn.simulator import SCENARIOS, start_simulator
 
     if args.list:
         for name, scenario in SCENARIOS.items():
             print(f"{name:24} {scenario.summary}")
         return 0
     setup_logging("text", args.log_level)
-    faults = Faults(seed=args.seed)
+    host, port = parse_listen_address(args.listen_address)
     try:
-        for spec in args.fault:
-            parse_fault(spec, faults)
-        scenario = load_scenario(args.scenario)
-        host, port = parse_listen_address(args.listen_address)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    simulator = Simulator(scenario, speed=args.speed, faults=faults,
-                          rate_limit=None if args.no_rate_limit else 5)
-    try:
-        server = SimulatorServer(simulator, host or "0.0.0.0", port)  # noqa: S104
+        server = start_simulator(args.scenario, args.speed, args.fault, seed=args.seed,
+                                 rate_limit=None if args.no_rate_limit else 5, host=host or "0.0.0.0", port=port)  # noqa: S104
     except OSError as exc:
         raise ConfigError(f"--listen-address {args.listen_address}: cannot listen ({exc.strerror or exc})") \
             from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server.serve_in_background()
-    log.info("IMDS simulator: scenario %s at %gx speed on %s (admin API under /admin)", scenario.name,
-             args.speed, server.url)
+    handle_signals(stop)
+    log.info("IMDS simulator: scenario %s at %gx speed on %s (admin API under /admin)",
+             server.simulator.scenario.name, args.speed, server.url)
     stop.wait()
     server.stop()
     return 0

@@ -12,9 +12,8 @@ import ipaddress
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -294,14 +293,49 @@ RUN_OPTIONS: tuple[Option, ...] = (
 
 @dataclass(frozen=True)
 class Settings:
-    values: Mapping[str, Any]
-    sources: Mapping[str, str] = field(default_factory=dict)
+    """The checked settings of one command, typed: the one object that reaches the code.
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    Every field is an option of the table above (a test keeps the two in step); `resolve` fills each from
+    its flag, variable, config file or default. `sources` says where each value came from.
+    """
+
+    imds_endpoint: str
+    api_version: str
+    poll_interval: float
+    imds_timeout: float
+    imds_max_backoff: float
+    imds_max_reply_bytes: int
+    listen_address: str
+    web_read_timeout: float
+    web_max_connections: int
+    web_max_request_bytes: int
+    drain_timeout: float
+    vm_name: str | None
+    state_dir: str | None
+    sink: list[str]
+    eventhubs_connection_string: str | None
+    eventhubs_connection_string_file: str | None
+    eventhubs_namespace: str | None
+    eventhubs_name: str | None
+    eventhubs_client_id: str | None
+    otlp_endpoint: str | None
+    otlp_protocol: str | None
+    policy: str | None
+    dry_run: bool
+    outbox_max_records: int
+    ready_window: float
+    compute_refresh: float
+    log_format: str
+    log_level: str
+    simulate: str | None
+    speed: float
+    fault: list[str]
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Every option's value by its name (dashes as underscores), for code that looks options up."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
 
     def redacted(self, options: Sequence[Option] = RUN_OPTIONS) -> dict[str, Any]:
         """The effective settings, safe to log: secrets hidden, credentials stripped from URLs."""
@@ -400,6 +434,11 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {shown(raw)} is not valid for --{option.name} ({exc})") from None
 
 
+def _fresh(default: Any) -> Any:
+    """A default that cannot be shared between Settings (the list defaults are mutable)."""
+    return list(default) if isinstance(default, list) else default
+
+
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
             environ: Mapping[str, str] | None = None) -> Settings:
     """Merge flags, environment, config file and defaults into checked Settings."""
@@ -429,7 +468,7 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
         elif option.dest in file_values:
             raw, source = file_values[option.dest], f"--config {config_path} ({option.name})"
         else:
-            values[option.dest] = option.default
+            values[option.dest] = _fresh(option.default)
             sources[option.dest] = "default"
             continue
         values[option.dest] = raw if (option.is_flag and isinstance(raw, bool)) else _convert(option, raw, source)
@@ -441,10 +480,6 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
         sources["eventhubs_connection_string"] = f"--eventhubs-connection-string-file {secret_file}"
     if "state_dir" in values and values["state_dir"] is None and not values.get("simulate"):
         values["state_dir"] = default_state_dir()
-    return Settings(values=values, sources=sources)
-
-
-def fail(message: str) -> None:
-    """Report a usage or configuration error the way argparse does, and exit 2."""
-    print(f"forewarn: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    for option in RUN_OPTIONS:  # options this command does not take keep their defaults
+        values.setdefault(option.dest, _fresh(option.default))
+    return Settings(**values, sources=sources)

@@ -1,0 +1,47 @@
+"""The one place that turns POSIX signals into what the long-running commands do.
+
+SIGTERM, SIGINT and SIGQUIT stop cleanly (Kubernetes sends SIGTERM, a terminal SIGINT, some supervisors
+SIGQUIT); SIGHUP reloads what can be reloaded, as daemons conventionally do, and never stops the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+
+
+def handle_signals(stop: threading.Event, reload: Callable[[], None] | None = None) -> None:
+    """Set `stop` on a stop signal; run `reload` on SIGHUP, on a thread of its own.
+
+    The reload runs off the signal handler because the main thread may hold a lock that reloading needs
+    (the approver's) when the signal lands; SIGHUPs in quick succession reload one after another.
+    """
+
+    def on_stop(signum: int, frame: Any) -> None:
+        # `timeout`, shells and supervisors often signal the process and then its group: say it once.
+        if not stop.is_set():
+            log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    reloading = threading.Lock()
+
+    def reload_serially() -> None:
+        with reloading:
+            if reload is None:
+                log.info("received SIGHUP: nothing to reload")
+            else:
+                reload()
+
+    def on_hangup(signum: int, frame: Any) -> None:
+        threading.Thread(target=reload_serially, name="reload", daemon=True).start()
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_stop)
+    signal.signal(signal.SIGHUP, on_hangup)
