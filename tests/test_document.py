@@ -177,3 +177,18 @@ def test_numbers_out_of_range_in_unknown_fields_are_read_as_null() -> None:
     document = parse_document(b'{"DocumentIncarnation": 1, "Events": [], "Big": 1' + b"0" * 30 + b', "Far": 1e999}')
     assert document.raw["Big"] is None and document.raw["Far"] is None
     assert len(document.warnings) == 2
+
+
+def test_fields_read_as_unknown_are_left_out_of_the_event_as_records_carry_it() -> None:
+    body = json.dumps({"DocumentIncarnation": 1, "Events": [_event(
+        ResourceType=None, Description=7, DurationInSeconds="900", Resources=["vm1", 3], Extra={"kept": 1})]})
+    (event,) = parse_document(body).events
+    assert "ResourceType" not in event.raw and "Description" not in event.raw
+    assert event.raw["DurationInSeconds"] == 900 and event.raw["Resources"] == ["vm1"]
+    assert event.raw["Extra"] == {"kept": 1}
+
+
+@pytest.mark.parametrize("text", ["Mon, 01 Jan 0001 00:00:00 +1400", "Thu, 31 Dec 0099 00:00:00 GMT"])
+def test_years_below_100_are_not_read_as_two_digit_years(text: str) -> None:
+    with pytest.raises(ValueError, match="outside the range"):
+        parse_not_before(text)

@@ -95,15 +95,18 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 _ISO_Z = re.compile(r"Z$", re.IGNORECASE)
+#: The year of an RFC 1123 date: `Mon, 11 Apr 2022 22:26:58 GMT`.
+_RFC1123_YEAR = re.compile(r"\d{1,2}\s+[A-Za-z]{3}\s+(\d+)")
 
 
 def parse_not_before(value: str) -> datetime:
     """Parse NotBefore: RFC 1123 as IMDS sends it (`Mon, 11 Apr 2022 22:26:58 GMT`), or ISO 8601.
 
-    Raises ValueError when neither form fits. The empty string means "no NotBefore" and is handled by
-    the caller, not here.
+    Raises ValueError when neither form fits or the moment is outside what forewarn can handle. The empty
+    string means "no NotBefore" and is handled by the caller, not here.
     """
     text = value.strip()
+    out_of_range = ValueError(f"NotBefore {shown(value)} is outside the range of dates forewarn handles")
     try:
         parsed = parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -111,6 +114,11 @@ def parse_not_before(value: str) -> datetime:
             parsed = datetime.fromisoformat(_ISO_Z.sub("+00:00", text))
         except ValueError:
             raise ValueError(f"NotBefore {shown(value)} is neither RFC 1123 nor ISO 8601") from None
+    else:
+        year = _RFC1123_YEAR.search(text)
+        if year is not None and len(year[1]) == 4 and int(year[1]) != parsed.year:
+            # The email parser reads years below 100 as two-digit ones (0001 as 2001): refuse instead.
+            raise out_of_range
     if parsed.tzinfo is None:
         # Both forms without a zone are read as UTC: IMDS documents its times as GMT.
         parsed = parsed.replace(tzinfo=timezone.utc)
@@ -119,7 +127,7 @@ def parse_not_before(value: str) -> datetime:
         moment = parsed.astimezone(timezone.utc)
         moment.timestamp()
     except (OverflowError, ValueError):
-        raise ValueError(f"NotBefore {shown(value)} is outside the range of dates forewarn handles") from None
+        raise out_of_range from None
     return moment
 
 
@@ -199,18 +207,44 @@ def _parse_event(raw: Any, where: str, warnings: list[str]) -> Event:
             # Keep the event: losing it would be worse than losing its countdown.
             warnings.append(f"{where}: {exc}")
 
+    resources = _resources(raw, where, warnings)
+    duration = _duration(raw, where, warnings)
     return Event(
         event_id=event_id,
         event_type=_required_str(raw, "EventType", where),
         status=_required_str(raw, "EventStatus", where),
         resource_type=_optional_str(raw, "ResourceType", where, warnings) or "",
-        resources=_resources(raw, where, warnings),
+        resources=resources,
         not_before=not_before,
         description=_optional_str(raw, "Description", where, warnings),
         source=_optional_str(raw, "EventSource", where, warnings),
-        duration_seconds=_duration(raw, where, warnings),
-        raw=dict(raw),
+        duration_seconds=duration,
+        raw=_documented_types(raw, resources, duration),
     )
+
+
+def _documented_types(raw: Mapping[str, Any], resources: tuple[str, ...], duration: int | None) -> dict[str, Any]:
+    """The event's fields as IMDS sent them, less what could not be read as its documented type.
+
+    Records carry `raw` (`data.event`) and their schema types the documented fields, so a field that was
+    read as unknown is left out rather than passed on in a shape consumers do not expect; unknown fields
+    pass through as sent.
+    """
+    clean = dict(raw)
+    for name in ("ResourceType", "Description", "EventSource", "NotBefore"):
+        if name in clean and not isinstance(clean[name], str):
+            del clean[name]
+    if "Resources" in clean:
+        if isinstance(clean["Resources"], list):
+            clean["Resources"] = list(resources)
+        else:
+            del clean["Resources"]
+    if "DurationInSeconds" in clean:
+        if duration is None:
+            del clean["DurationInSeconds"]
+        else:
+            clean["DurationInSeconds"] = duration
+    return clean
 
 
 def _parse_incarnation(value: Any) -> int:
