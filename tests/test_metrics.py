@@ -1,3 +1,5 @@
+"""Metrics through their public seams: the typed operations of the view holder in, the exposition out."""
+
 from __future__ import annotations
 
 import subprocess
@@ -5,10 +7,12 @@ import threading
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.metrics import Metrics
+from forewarn.metrics import MAX_LABEL_CHARS, Metrics
 from forewarn.outbox.store import Backlog
 
 from conftest import parse_metrics, require_promtool, sample, series
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 DOC = parse_document({"DocumentIncarnation": 4, "Events": [
     {"EventId": "A", "EventType": "Reboot", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
@@ -27,7 +31,8 @@ def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 def test_per_event_series_follow_the_document_and_countdown_uses_scrape_time() -> None:
     now = [900.0]
     metrics = Metrics(clock=lambda: now[0])
-    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=899.0)
+    metrics.views.vm_known(VmInfo(name="vm-0"))
+    metrics.views.document_seen(DOC, 899.0)
     samples = scrape(metrics)
     info = {row["event_id"]: row for row in series(samples, "azure_scheduled_event_info")}
     assert info["A"] == {"event_id": "A", "event_type": "Reboot", "event_status": "Scheduled",
@@ -45,18 +50,57 @@ def test_per_event_series_follow_the_document_and_countdown_uses_scrape_time() -
     assert sorted(r["event_id"] for r in series(samples, "azure_scheduled_event_duration_seconds")) == ["A", "B"]
     assert sample(samples, "azure_scheduled_events_document_incarnation") == 4
     assert sample(samples, "azure_scheduled_events_imds_up") == 1
+    assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") == 899.0
 
 
 def test_series_vanish_when_the_event_leaves() -> None:
     metrics = Metrics()
-    metrics.views.update(document=DOC)
-    metrics.views.update(document=parse_document({"DocumentIncarnation": 5, "Events": []}))
+    metrics.views.document_seen(DOC, 1.0)
+    assert len(series(scrape(metrics), "azure_scheduled_event_info")) == 3
+    metrics.views.document_seen(parse_document({"DocumentIncarnation": 5, "Events": []}), 2.0)
     assert series(scrape(metrics), "azure_scheduled_event_info") == []
+
+
+def test_a_failed_poll_keeps_the_last_document_and_success_time() -> None:
+    metrics = Metrics()
+    metrics.views.document_seen(DOC, 10.0)
+    metrics.views.imds_failed()
+    samples = scrape(metrics)
+    assert sample(samples, "azure_scheduled_events_imds_up") == 0
+    assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") == 10.0
+    assert len(series(samples, "azure_scheduled_event_info")) == 3
+    metrics.views.document_seen(DOC, 11.0)
+    assert sample(scrape(metrics), "azure_scheduled_events_imds_up") == 1
+
+
+def test_a_resumed_document_is_shown_but_is_not_a_successful_poll() -> None:
+    metrics = Metrics()
+    metrics.views.document_resumed(DOC, {"A": 5.0})
+    samples = scrape(metrics)
+    assert len(series(samples, "azure_scheduled_event_info")) == 3
+    assert sample(samples, "azure_scheduled_events_imds_up") == 0
+    assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") is None
+    assert sample(samples, "azure_scheduled_event_status_since_timestamp_seconds", event_id="A", event_type="Reboot",
+                  event_status="Scheduled") == 5.0
+
+
+def test_status_since_is_kept_until_a_poll_gives_a_new_one() -> None:
+    metrics = Metrics()
+    metrics.views.document_seen(DOC, 1.0, {"A": 1.0, "B": 1.0})
+    metrics.views.document_seen(DOC, 2.0)  # no status changed: the earlier times stay
+    samples = scrape(metrics)
+    assert {row["event_id"] for row in series(samples, "azure_scheduled_event_status_since_timestamp_seconds")} \
+        == {"A", "B"}
+    assert sample(samples, "azure_scheduled_event_status_since_timestamp_seconds", event_id="B", event_type="Freeze",
+                  event_status="Started") == 1.0
+    metrics.views.document_seen(DOC, 3.0, {"A": 1.0, "B": 3.0})
+    assert sample(scrape(metrics), "azure_scheduled_event_status_since_timestamp_seconds", event_id="B",
+                  event_type="Freeze", event_status="Started") == 3.0
 
 
 def test_aggregates_are_zero_filled_and_unknown_values_pass_through() -> None:
     metrics = Metrics()
-    metrics.views.update(document=DOC)
+    metrics.views.document_seen(DOC, 1.0)
     samples = scrape(metrics)
     rows = series(samples, "azure_scheduled_events")
     assert len(rows) == len(EVENT_TYPES) * len(EVENT_STATUSES) * len(EVENT_SOURCES) + 1
@@ -69,18 +113,48 @@ def test_aggregates_are_zero_filled_and_unknown_values_pass_through() -> None:
     assert sample(samples, "azure_scheduled_events_observed_total", event_type="Preempt", event_source="User") == 0
     assert sample(samples, "azure_scheduled_events_ended_total", event_type="Freeze", outcome="cancelled") == 0
     assert sample(samples, "azure_scheduled_events_approvals_total", event_type="Reboot", result="dry_run") == 0
+    assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="recover", result="timeout") == 0
 
 
-def test_health_build_and_vm_info() -> None:
-    metrics = Metrics(api_version="2019-08-01")
+def test_long_label_values_are_clipped() -> None:
+    fits, long = "d" * MAX_LABEL_CHARS, "x" * (MAX_LABEL_CHARS + 100)
+    metrics = Metrics()
+    metrics.views.document_seen(parse_document({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "A", "EventType": "Reboot", "Resources": [], "EventStatus": "Scheduled", "NotBefore": "",
+         "Description": fits, "EventSource": long},
+        {"EventId": "B", "EventType": "Reboot", "Resources": [], "EventStatus": "Scheduled", "NotBefore": "",
+         "Description": long},
+    ]}), 1.0)
+    samples = scrape(metrics)
+    info = {row["event_id"]: row for row in series(samples, "azure_scheduled_event_info")}
+    clipped = "x" * (MAX_LABEL_CHARS - 3) + "..."
+    assert info["A"]["description"] == fits and info["A"]["event_source"] == clipped
+    assert info["B"]["description"] == clipped
+    assert sample(samples, "azure_scheduled_events", event_type="Reboot", event_status="Scheduled",
+                  event_source=clipped) == 1
+
+
+def test_health_backlogs_build_and_vm_info() -> None:
+    now = [100.0]
+    metrics = Metrics(api_version="2019-08-01", clock=lambda: now[0])
     metrics.add_sink("stdout")
-    metrics.views.set_backlog("stdout", Backlog(records=3, oldest_created=None))
-    metrics.views.update(vm=VmInfo(name="vm-0", vm_id="id", vm_scale_set="ss", resource_group="rg",
-                                   subscription_id="sub", location="westeurope", zone="2"))
+    metrics.add_sink("file")
+    samples = scrape(metrics)
+    assert sample(samples, "azure_scheduled_events_outbox_records", sink="file") == 0
+    assert sample(samples, "azure_scheduled_events_outbox_oldest_record_age_seconds", sink="file") == 0
+    assert sample(samples, "azure_scheduled_events_records_total", sink="stdout") == 0
+    assert sample(samples, "azure_scheduled_events_record_failures_total", sink="stdout") == 0
+    assert sample(samples, "azure_scheduled_events_state_writable") == 1
+    metrics.views.backlog("stdout", Backlog(records=3, oldest_created=40.0))
+    metrics.views.store_writable(False)
+    metrics.views.vm_known(VmInfo(name="vm-0", vm_id="id", vm_scale_set="ss", resource_group="rg",
+                                  subscription_id="sub", location="westeurope", zone="2"))
     samples = scrape(metrics)
     assert sample(samples, "azure_scheduled_events_imds_up") == 0
     assert sample(samples, "azure_scheduled_events_outbox_records", sink="stdout") == 3
-    assert sample(samples, "azure_scheduled_events_records_total", sink="stdout") == 0
+    assert sample(samples, "azure_scheduled_events_outbox_oldest_record_age_seconds", sink="stdout") == 60.0
+    assert sample(samples, "azure_scheduled_events_outbox_records", sink="file") == 0  # other sinks untouched
+    assert sample(samples, "azure_scheduled_events_state_writable") == 0
     (build,) = series(samples, "azure_scheduled_events_build_info")
     assert build["api_version"] == "2019-08-01"
     (vm,) = series(samples, "azure_scheduled_events_vm_info")
@@ -88,13 +162,16 @@ def test_health_build_and_vm_info() -> None:
                   "subscription_id": "sub", "location": "westeurope", "zone": "2"}
     # no last-success sample before the first good poll
     assert sample(samples, "azure_scheduled_events_imds_last_success_timestamp_seconds") is None
+    metrics.views.store_writable(True)
+    assert sample(scrape(metrics), "azure_scheduled_events_state_writable") == 1
 
 
 def test_promtool_accepts_the_exposition() -> None:
     promtool = require_promtool()
     metrics = Metrics()
     metrics.add_sink("stdout")
-    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"), imds_up=True, last_success=1.0)
+    metrics.views.vm_known(VmInfo(name="vm-0"))
+    metrics.views.document_seen(DOC, 1.0, {"A": 1.0})
     metrics.observed.labels("Reboot", "Platform").inc()
     metrics.imds_duration.labels("GET").observe(0.01)
     result = subprocess.run([promtool, "check", "metrics"], input=metrics.render()[0],
@@ -103,21 +180,37 @@ def test_promtool_accepts_the_exposition() -> None:
     assert result.stdout.strip() == b"" and result.stderr.strip() == b""
 
 
-def test_document_families_are_cached_until_the_document_changes_and_openmetrics_ends_once() -> None:
+def test_document_families_are_rendered_again_only_when_the_document_vm_or_a_status_changes() -> None:
     now = [900.0]
     metrics = Metrics(clock=lambda: now[0])
-    metrics.views.update(document=DOC, vm=VmInfo(name="vm-0"))
+    metrics.views.vm_known(VmInfo(name="vm-0"))
+    metrics.views.document_seen(DOC, 1.0, {"A": 1.0})
     first = metrics.render()[0]
-    metrics.views.update(imds_up=True, last_success=1.0)  # health changes do not rebuild the cache
+    assert first.count(b"azure_scheduled_event_info{") == 3 and metrics.document_renders == 1
+    # health, backlogs and polls without a status change reuse the text
+    metrics.views.document_seen(DOC, 2.0)
+    metrics.views.imds_failed()
+    metrics.views.store_writable(False)
+    metrics.views.backlog("stdout", Backlog(records=1, oldest_created=None))
     now[0] = 950.0
     second = scrape(metrics)
+    assert metrics.document_renders == 1
     assert sample(second, "azure_scheduled_event_seconds_to_not_before", event_id="A", event_type="Reboot") == 50.0
-    assert sample(second, "azure_scheduled_events_imds_up") == 1
-    assert first.count(b"azure_scheduled_event_info{") == 3
-    metrics.views.update(document=parse_document({"DocumentIncarnation": 5, "Events": []}))
+    assert sample(second, "azure_scheduled_events_imds_up") == 0
+    assert sample(second, "azure_scheduled_events_outbox_records", sink="stdout") == 1
+    metrics.views.document_seen(DOC, 3.0, {"A": 3.0})
+    assert sample(scrape(metrics), "azure_scheduled_event_status_since_timestamp_seconds", event_id="A",
+                  event_type="Reboot", event_status="Scheduled") == 3.0
+    assert metrics.document_renders == 2
+    metrics.views.vm_known(VmInfo(name="vm-1"))
+    assert series(scrape(metrics), "azure_scheduled_events_vm_info")[0]["vm_name"] == "vm-1"
+    assert metrics.document_renders == 3
+    metrics.views.document_seen(parse_document({"DocumentIncarnation": 5, "Events": []}), 4.0)
     assert b"azure_scheduled_event_info{" not in metrics.render()[0]
-    text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
-    assert content_type.startswith("application/openmetrics-text")
+    assert metrics.document_renders == 4
+    # each format has text of its own, and OpenMetrics still ends once, at the very end
+    text, content_type = metrics.render(OPENMETRICS)
+    assert content_type.startswith("application/openmetrics-text") and metrics.document_renders == 5
     assert text.count(b"# EOF") == 1 and text.endswith(b"# EOF\n")
 
 
@@ -126,7 +219,8 @@ def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() 
     many = parse_document({"DocumentIncarnation": 9, "Events": [  # a rendering that takes a while
         {"EventId": f"E{i}", "EventType": "Reboot", "Resources": ["vm-0"], "EventStatus": "Scheduled",
          "NotBefore": "Thu, 01 Jan 1970 00:16:40 GMT"} for i in range(1000)]})
-    metrics.views.update(document=many, vm=VmInfo(name="vm-0"))
+    metrics.views.vm_known(VmInfo(name="vm-0"))
+    metrics.views.document_seen(many, 1.0)
     for expected in (1, 2, 3):  # one after another: each scrape renders afresh
         metrics.render()
         assert metrics.renders == expected
@@ -145,5 +239,5 @@ def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() 
     assert len(bodies) == 20 and all(b"azure_scheduled_event_info{" in body for body in bodies)
     assert 3 < metrics.renders < 3 + 20
     # each content type is rendered on its own
-    text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    text, content_type = metrics.render(OPENMETRICS)
     assert text.endswith(b"# EOF\n") and content_type.startswith("application/openmetrics-text")

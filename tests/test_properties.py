@@ -75,8 +75,8 @@ def expositions(document: Document) -> tuple[bytes, bytes]:
     """The text-format and OpenMetrics expositions with `document` as the current one."""
     now = NOW.timestamp()
     metrics = Metrics(clock=lambda: now)
-    metrics.views.update(document=document, vm=VM, imds_up=True, last_success=now,
-                         status_since={event.event_id: now for event in document.events})
+    metrics.views.vm_known(VM)
+    metrics.views.document_seen(document, now, {event.event_id: now for event in document.events})
     text, text_type = metrics.render("")
     openmetrics, om_type = metrics.render(OPENMETRICS)
     assert text_type.startswith("text/plain") and om_type.startswith("application/openmetrics-text")

@@ -1,5 +1,6 @@
-"""Prometheus metrics: the view of the current state (data) and its exposition (rendering)."""
+"""Prometheus metrics: the view of the present (data, `view`) apart from its exposition (rendering)."""
 
-from forewarn.metrics.exposition import Metrics, View, ViewHolder
+from forewarn.metrics.exposition import MAX_LABEL_CHARS, DocumentFamilies, LiveFamilies, Metrics, SharedRendering
+from forewarn.metrics.view import View, ViewHolder
 
-__all__ = ["Metrics", "View", "ViewHolder"]
+__all__ = ["MAX_LABEL_CHARS", "DocumentFamilies", "LiveFamilies", "Metrics", "SharedRendering", "View", "ViewHolder"]

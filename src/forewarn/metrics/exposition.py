@@ -1,18 +1,17 @@
-"""Prometheus metrics, exactly as named in the public contract.
+"""Prometheus exposition of forewarn's metrics, exactly as named in the public contract.
 
 Counters and the request histogram are ordinary prometheus-client objects, updated where things
-happen. Everything that describes the current document is built at scrape time by `EventsCollector`
-from one immutable `View`, which the poller replaces as a whole; a scrape therefore never waits for a
-poll, never does I/O, and always sees one consistent document. `seconds_to_not_before` is the only value
-that depends on the scrape moment.
+happen. Everything that describes the present is rendered at scrape time from the one immutable `View`
+(see `forewarn.metrics.view`): `DocumentFamilies` for what changes with the document, `LiveFamilies` for
+health and the values that depend on the scrape moment (only `seconds_to_not_before` does). A scrape
+therefore never waits for a poll, never does I/O, and always sees one consistent document.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -21,8 +20,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from forewarn import DEFAULT_API_VERSION, __version__
-from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Document
-from forewarn.imds.instance import VmInfo
+from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES
+from forewarn.metrics.view import ViewHolder
 from forewarn.outbox.store import Backlog
 
 OUTCOMES = ("completed", "cancelled")
@@ -35,41 +34,9 @@ _EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-@dataclass(frozen=True)
-class View:
-    """Everything the scrape-time collector reads, replaced as a whole by the poller."""
-
-    document: Document | None = None
-    vm: VmInfo = field(default_factory=VmInfo)
-    imds_up: bool = False
-    last_success: float | None = None
-    backlogs: Mapping[str, Backlog] = field(default_factory=dict)
-    store_writable: bool = True
-    status_since: Mapping[str, float] = field(default_factory=dict)
-
-
-class ViewHolder:
-    """The current View, swapped atomically; `update` is safe from several threads."""
-
-    def __init__(self, view: View | None = None) -> None:
-        self._view = view or View()
-        self._lock = threading.Lock()
-
-    @property
-    def view(self) -> View:
-        return self._view
-
-    def update(self, **changes: Any) -> None:
-        with self._lock:
-            self._view = replace(self._view, **changes)
-
-    def set_backlog(self, sink: str, backlog: Backlog) -> None:
-        with self._lock:
-            self._view = replace(self._view, backlogs={**self._view.backlogs, sink: backlog})
-
-
 class Metrics:
-    """All forewarn metrics in one registry (never the global one, so tests can run many)."""
+    """All forewarn metrics in one registry (never the global one, so tests can run many), and `views`,
+    the holder of the View they are rendered from."""
 
     def __init__(self, api_version: str = DEFAULT_API_VERSION, clock: Callable[[], float] = time.time):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -129,23 +96,53 @@ class Metrics:
                 self.ended.labels(event_type, outcome)
             for result in APPROVAL_RESULTS:
                 self.approvals.labels(event_type, result)
-        r.register(LiveCollector(self.views, api_version, clock))
-        self.document_registry = CollectorRegistry(auto_describe=True)
-        self.document_registry.register(DocumentCollector(self.views))
+        r.register(LiveFamilies(self.views, api_version, clock))
+        self._rendering = SharedRendering(self.views, r)
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The whole exposition for an Accept header, and its content type."""
+        return self._rendering.render(accept)
+
+    @property
+    def renders(self) -> int:
+        """Renderings of the whole exposition so far (scrapes that shared one count once)."""
+        return self._rendering.renders
+
+    @property
+    def document_renders(self) -> int:
+        """Renderings of the document families so far (the others reuse the cached text)."""
+        return self._rendering.document_renders
+
+    def add_sink(self, name: str) -> None:
+        """Make a sink's series visible at zero before its first delivery."""
+        self.records.labels(name)
+        self.record_failures.labels(name)
+        self.views.backlog(name, Backlog(records=0, oldest_created=None))
+
+
+class SharedRendering:
+    """Renders the exposition: the document families from a cache, then the `live` registry, fresh.
+
+    Scrapes that arrive together share one rendering, as long as it began after they arrived (so every
+    value is still computed at the scrape's own time): 50 scrapers in phase cost about two renderings,
+    not fifty, and leave the poll thread its share of the interpreter."""
+
+    def __init__(self, views: ViewHolder, live: CollectorRegistry) -> None:
+        self._views = views
+        self._live = live
+        self._documents = CollectorRegistry(auto_describe=True)
+        self._documents.register(DocumentFamilies(views))
         self._cache_lock = threading.Lock()
         self._cache_key: tuple[Any, ...] = ()
         self._cache_text = b""
         self._flight = threading.Condition()
-        self._rendering: set[str] = set()                  # content types being rendered now
+        self._in_flight: set[str] = set()                  # content types being rendered now
         self._done: dict[str, tuple[float, bytes]] = {}     # content type -> (start, body) of the last
         self.renders = 0
+        self.document_renders = 0
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
-        """The whole exposition for an Accept header.
-
-        Scrapes that arrive together share one rendering, as long as it began after they arrived (so
-        every value is still computed at the scrape's own time): 50 scrapers in phase cost about two
-        renderings, not fifty, and leave the poll thread its share of the interpreter."""
+        """The whole exposition for an Accept header, and its content type."""
         encoder, content_type = choose_encoder(accept)
         arrived = time.perf_counter()
         with self._flight:
@@ -153,10 +150,10 @@ class Metrics:
                 done = self._done.get(content_type)
                 if done is not None and done[0] > arrived:
                     return done[1], content_type
-                if content_type not in self._rendering:
+                if content_type not in self._in_flight:
                     break
                 self._flight.wait()
-            self._rendering.add(content_type)
+            self._in_flight.add(content_type)
         body = None
         try:
             started = time.perf_counter()
@@ -164,7 +161,7 @@ class Metrics:
             return body, content_type
         finally:
             with self._flight:
-                self._rendering.discard(content_type)
+                self._in_flight.discard(content_type)
                 if body is not None:
                     self._done[content_type] = (started, body)
                     self.renders += 1
@@ -172,23 +169,18 @@ class Metrics:
 
     def _render(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
         """The document families from a text cache that is rebuilt only when the document, the VM or a
-        status changes, then everything else, fresh."""
-        view = self.views.view
+        status changes (the view keeps the same objects otherwise), then everything else, fresh."""
+        view = self._views.view
         key = (encoder, view.document, view.vm, view.status_since)
         with self._cache_lock:
             if len(key) != len(self._cache_key) or any(
                     a is not b for a, b in zip(key, self._cache_key, strict=True)):
-                text = encoder(self.document_registry)
+                text = encoder(self._documents)
                 self._cache_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
                 self._cache_key = key
+                self.document_renders += 1
             cached = self._cache_text
-        return cached + encoder(self.registry)
-
-    def add_sink(self, name: str) -> None:
-        """Make a sink's series visible at zero before its first delivery."""
-        self.records.labels(name)
-        self.record_failures.labels(name)
-        self.views.set_backlog(name, Backlog(records=0, oldest_created=None))
+        return cached + encoder(self._live)
 
 
 #: Longest label value shown (the description): a long one would be repeated in every scrape.
@@ -201,9 +193,9 @@ def _label(value: str | None) -> str:
     return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS - 3] + "..."
 
 
-class DocumentCollector(Collector):
+class DocumentFamilies(Collector):
     """The families that change only when the document, the VM or an event's status does. Their text is
-    rendered once per such change (see `Metrics.render`), not once per scrape."""
+    rendered once per such change (see `SharedRendering`), not once per scrape."""
 
     def __init__(self, views: ViewHolder) -> None:
         self._views = views
@@ -258,7 +250,7 @@ class DocumentCollector(Collector):
         yield vm_info
 
 
-class LiveCollector(Collector):
+class LiveFamilies(Collector):
     """The families that depend on the scrape moment or on health, built at every scrape."""
 
     def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
