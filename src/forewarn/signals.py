@@ -45,3 +45,11 @@ def handle_signals(stop: threading.Event, reload: Callable[[], None] | None = No
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_stop)
     signal.signal(signal.SIGHUP, on_hangup)
+
+
+def ignore_stop_signals() -> None:
+    """Once stopped: a stop signal arriving while the interpreter shuts down would otherwise meet the
+    default handler (Python restores it for handlers it installed) and kill the process with a signal
+    instead of exit 0. Supervisors and terminals often send a second one."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
