@@ -10,14 +10,14 @@ from typing import Any
 
 from conftest import require_tool
 
-UNIT = Path(__file__).parent.parent / "deploy" / "systemd" / "forewarn.poller"
+UNIT = Path(__file__).parent.parent / "deploy" / "systemd" / "forewarn.service"
 
 
 def unit_with_exec(tmp_path: Path) -> Path:
     """The unit with ExecStart pointing at this environment's forewarn, as verify checks that it exists."""
     binary = shutil.which("forewarn")
     assert binary is not None, "forewarn is installed in the test environment"
-    unit = tmp_path / "forewarn.poller"
+    unit = tmp_path / "forewarn.service"
     unit.write_text(UNIT.read_text().replace("/opt/forewarn/bin/forewarn", binary))
     return unit
 
@@ -54,8 +54,8 @@ def test_cloud_init_example_is_valid_and_installs_the_same_unit() -> None:
     assert result.returncode == 0 and "Valid cloud-config" in result.stdout, result.stdout + result.stderr
     config = yaml.safe_load(CLOUD_INIT.read_text())
     files = {f["path"]: f["content"] for f in config["write_files"]}
-    assert files["/etc/systemd/system/forewarn.poller"] == UNIT.read_text()
-    assert ["systemctl", "enable", "--now", "forewarn.poller"] in config["runcmd"]
+    assert files["/etc/systemd/system/forewarn.service"] == UNIT.read_text()
+    assert ["systemctl", "enable", "--now", "forewarn.service"] in config["runcmd"]
     install = next(cmd for cmd in config["runcmd"] if "install" in cmd)
     assert install[0] == "/opt/forewarn/bin/pip" and "ExecStart=/opt/forewarn/bin/forewarn run" in UNIT.read_text()
 

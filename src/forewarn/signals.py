@@ -14,7 +14,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+# SIGQUIT and SIGHUP do not exist on Windows, where forewarn also runs (as a service, stopped by SIGINT/SIGTERM).
+STOP_SIGNALS = tuple(signum for signum in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGQUIT", None))
+                     if signum is not None)
 
 
 def handle_signals(stop: threading.Event, reload: Callable[[], None] | None = None) -> None:
@@ -44,7 +46,9 @@ def handle_signals(stop: threading.Event, reload: Callable[[], None] | None = No
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_stop)
-    signal.signal(signal.SIGHUP, on_hangup)
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None:
+        signal.signal(hangup, on_hangup)
 
 
 def ignore_stop_signals() -> None:
