@@ -22,7 +22,7 @@ from typing import Any
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.outbox.store import DB_FILE, Store
+from forewarn.outbox.outbox import Outbox
 from forewarn.records import to_record
 from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.tracker import diff_documents
@@ -36,7 +36,7 @@ VM = VmInfo(name="vm-0", vm_id="4d1824cf-fdc0-5660-b82f-b2a54105ac90", location=
 
 
 def backlog(state_dir: Path, sink: str, count: int) -> None:
-    store = Store(state_dir / DB_FILE, [sink])
+    outbox = Outbox(state_dir, [sink])
     records = []
     for i in range(count):
         document = parse_document({"DocumentIncarnation": i + 1, "Events": [{
@@ -46,8 +46,8 @@ def backlog(state_dir: Path, sink: str, count: int) -> None:
             "DurationInSeconds": -1}]})
         (change,) = diff_documents(None, document)
         records.append(to_record(change, VM, datetime.now(timezone.utc)))
-    store.commit(None, records)
-    store.close()
+    outbox.append(records)
+    outbox.close()
 
 
 def wait_count(count_fn: Any, target: int, timeout: float) -> tuple[float, float]:

@@ -1,8 +1,9 @@
-"""The Collector in-process, against the simulator over HTTP, with a real (and really full) disk."""
+"""The Poller in-process with its Outbox, against the simulator over HTTP, with a real (and really full) disk."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from forewarn import agent, poller
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
-from forewarn.outbox.delivery import DeliveryWorker, StoreRef
-from forewarn.outbox.store import DB_FILE, Store
+from forewarn.outbox.delivery import DeliveryWorker
+from forewarn.outbox.outbox import RETRY_SECONDS, Outbox
+from forewarn.poller import OutboxMetrics, Poller
 from forewarn.sinks.file import FileSink
 
 from conftest import SimulatorHandle, wait_until
@@ -47,18 +48,29 @@ def fill(directory: Path) -> Path:
     return filler
 
 
-def make_collector(url: str, state_dir: Path, records: Path) -> tuple[poller.Poller, threading.Event]:
+def make_collector(url: str, state_dir: Path, records: Path,
+                   retry_seconds: float = RETRY_SECONDS) -> tuple[Poller, threading.Event]:
+    """A poller with its outbox and one file sink's worker, wired as `forewarn run` wires them; setting the
+    event stops the worker (the caller closes `poller.outbox`)."""
     metrics = Metrics()
     sink = FileSink(str(records))
     metrics.add_sink(sink.name)
-    store, writable = agent.open_store(state_dir, [sink.name], 1000)
-    stores = StoreRef(store)
+    outbox = Outbox(state_dir, [sink.name], 1000, OutboxMetrics(metrics), retry_seconds=retry_seconds)
     stop = threading.Event()
-    worker = DeliveryWorker(sink, stores, metrics, stop=stop, idle_refresh=0.1)
+    worker = DeliveryWorker(sink, outbox, metrics, stop=stop, idle_refresh=0.1)
     worker.start()
-    collector = poller.Poller(ImdsClient(url), metrics, store, state_dir, [worker], stores=stores,
-                                  poll_interval=0.2, store_writable=writable)
-    return collector, stop
+    return Poller(ImdsClient(url), metrics, outbox, poll_interval=0.2), stop
+
+
+def saved_events(state_dir: Path) -> list[str]:
+    """The event ids of the document saved under `state_dir`, as the next start would read it."""
+    outbox = Outbox(state_dir, [])
+    try:
+        document = outbox.load_document()
+    finally:
+        outbox.close()
+    assert document is not None, "a document was saved"
+    return [event.event_id for event in document.events]
 
 
 def subjects(path: Path) -> list[str]:
@@ -72,18 +84,19 @@ def add_event(sim: SimulatorHandle, event_id: str) -> None:
 
 
 def test_full_disk_degrades_to_memory_and_recovers_without_loss(
-        small_disk: Path, tmp_path: Path, simulator: Callable[..., SimulatorHandle],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(poller, "STORE_RETRY_SECONDS", 0.0)
+        small_disk: Path, tmp_path: Path, simulator: Callable[..., SimulatorHandle]) -> None:
     sim = simulator("quiet", rate_limit=None)
     records = tmp_path / "records.jsonl"
     state_dir = small_disk / "state"
-    collector, stop = make_collector(sim.url, state_dir, records)
+    collector, stop = make_collector(sim.url, state_dir, records)  # retried by hand below, not every 30 s
+    sink = f"file:{records}"
+    metrics = collector.metrics
     try:
         add_event(sim, "A")
         collector.poll_once()
         wait_until(lambda: subjects(records) == ["A"], timeout=5)
-        assert collector.metrics.views.view.store_writable
+        assert collector.metrics.views.view.store_writable and collector.outbox.writable
+        wait_until(lambda: collector.outbox.backlog(sink).records == 0, timeout=5, message="A acknowledged")
 
         filler = fill(small_disk)
         for event_id in ("B", "C"):
@@ -94,48 +107,51 @@ def test_full_disk_degrades_to_memory_and_recovers_without_loss(
             if not collector.metrics.views.view.store_writable:
                 break
         assert not collector.metrics.views.view.store_writable, "the full disk was noticed"
+        assert not collector.outbox.writable
+        assert metrics.registry.get_sample_value("azure_scheduled_events_state_write_errors_total") == 1
         wait_until(lambda: {"B", "C"} <= set(subjects(records)), timeout=5, message="delivery while disk full")
+        wait_until(lambda: collector.outbox.backlog(sink).records == 0, timeout=5, message="all acknowledged")
 
         filler.unlink()
+        wait_until(collector.outbox.recover, timeout=15, interval=0.2, message="back on disk")
+        assert collector.metrics.views.view.store_writable
         add_event(sim, "D")
-
-        def recovered() -> bool:
-            collector.poll_once()
-            return collector.metrics.views.view.store_writable
-
-        wait_until(recovered, timeout=15, interval=0.2, message="back on disk")
+        collector.poll_once()
         wait_until(lambda: "D" in subjects(records), timeout=5)
     finally:
         stop.set()
-    reopened = Store(state_dir / DB_FILE, [f"file:{records}"])
-    document = reopened.load_document()
-    assert document is not None and {"A", "B", "C", "D"} <= {e.event_id for e in document.events}
+        collector.outbox.close()
+    assert {"A", "B", "C", "D"} <= set(saved_events(state_dir))
     delivered = subjects(records)
     assert delivered.index("A") < delivered.index("B") < delivered.index("D")
+    assert len(delivered) == len(set(delivered)), "cursors moved with the outbox: nothing was sent twice"
 
 
 def test_state_dir_that_cannot_be_created_is_retried(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(poller, "STORE_RETRY_SECONDS", 0.0)
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "forewarn.outbox")
     sim = simulator("quiet", rate_limit=None)
     blocker = tmp_path / "blocker"
     blocker.write_text("in the way")
     records = tmp_path / "records.jsonl"
-    collector, stop = make_collector(sim.url, blocker / "state", records)
+    collector, stop = make_collector(sim.url, blocker / "state", records, retry_seconds=0.05)
     try:
         add_event(sim, "A")
         collector.poll_once()
         assert not collector.metrics.views.view.store_writable
+        assert "is unusable" in caplog.text
         wait_until(lambda: subjects(records) == ["A"], timeout=5)
         blocker.unlink()
+        # The outbox's own retry finds the state dir usable again: no poll is needed for that.
+        wait_until(lambda: collector.metrics.views.view.store_writable, timeout=5, message="back on disk")
+        assert "state dir recovered" in caplog.text
         add_event(sim, "B")
         collector.poll_once()
-        assert collector.metrics.views.view.store_writable
         wait_until(lambda: subjects(records)[-1:] == ["B"], timeout=5)
     finally:
         stop.set()
-    document = Store(blocker / "state" / DB_FILE, [f"file:{records}"]).load_document()
-    assert document is not None and [e.event_id for e in document.events] == ["A", "B"]
+        collector.outbox.close()
+    assert saved_events(blocker / "state") == ["A", "B"]
 
 
 def test_sink_outage_never_delays_polling(tmp_path: Path, simulator: Callable[..., SimulatorHandle]) -> None:
@@ -149,13 +165,14 @@ def test_sink_outage_never_delays_polling(tmp_path: Path, simulator: Callable[..
             collector.poll_once()
         view = collector.metrics.views.view
         assert view.document is not None and len(view.document.events) == 3
-        wait_until(lambda: collector.metrics.record_failures.labels(f"file:{blocked}/records.jsonl")._value.get() > 0,
-                   timeout=5)
         sink = f"file:{blocked}/records.jsonl"
+        wait_until(lambda: (collector.metrics.registry.get_sample_value(
+            "azure_scheduled_events_record_failures_total", {"sink": sink}) or 0) > 0, timeout=5)
         wait_until(lambda: collector.metrics.views.view.backlogs[sink].records == 3, timeout=10,
                    message="three records waiting for the broken sink")
     finally:
         stop.set()
+        collector.outbox.close()
 
 
 def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simulator: Callable[..., SimulatorHandle],
@@ -166,19 +183,17 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
     blocked.write_text("x")
     sink = FileSink(str(blocked / "records.jsonl"))  # a sink that never accepts: everything stays waiting
     metrics.add_sink(sink.name)
-    store, _ = agent.open_store(tmp_path / "state", [sink.name], max_records=3)
-    stores = StoreRef(store)
-    worker = DeliveryWorker(sink, stores, metrics, idle_refresh=0.1)
+    outbox = Outbox(tmp_path / "state", [sink.name], max_records=3, observer=OutboxMetrics(metrics))
+    worker = DeliveryWorker(sink, outbox, metrics, idle_refresh=0.1)
     worker.start()
-    collector = poller.Poller(ImdsClient(sim.url), metrics, store, tmp_path / "state", [worker], stores=stores,
-                                  poll_interval=0.2)
+    collector = Poller(ImdsClient(sim.url), metrics, outbox, poll_interval=0.2)
     try:
         for event_id in ("A", "B", "C", "D", "E"):
             add_event(sim, event_id)
             collector.poll_once()
-        assert metrics.outbox_dropped._value.get() == 2
+        assert metrics.registry.get_sample_value("azure_scheduled_events_outbox_dropped_records_total") == 2
         assert "outbox full (3 records): dropped the 1 oldest" in caplog.text
-        assert [record.subject for _, record in store.fetch(sink.name, 10)] == ["C", "D", "E"]
+        assert [record.subject for _, record in outbox.take(sink.name, 10)] == ["C", "D", "E"]
         backlog = wait_until(lambda: metrics.views.view.backlogs[sink.name].records == 3
                              and metrics.views.view.backlogs[sink.name], timeout=10)
         assert backlog.oldest_created is not None
@@ -186,3 +201,4 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
         assert f'azure_scheduled_events_outbox_oldest_record_age_seconds{{sink="{sink.name}"}}' in text
     finally:
         worker.stop(drain_timeout=0.1)
+        outbox.close()

@@ -206,8 +206,8 @@ def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp
     from forewarn.imds.document import parse_document
     from forewarn.imds.instance import VmInfo
     from forewarn.metrics import Metrics
-    from forewarn.outbox.delivery import DeliveryWorker, StoreRef
-    from forewarn.outbox.store import Store
+    from forewarn.outbox.delivery import DeliveryWorker
+    from forewarn.outbox.outbox import Outbox
     from forewarn.records import to_record
     from forewarn.sinks.otlp import OtlpSink
     from forewarn.tracker import diff_documents
@@ -221,20 +221,18 @@ def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp
 
     peer = GrpcReceiver()
     sink = OtlpSink(endpoint=peer.endpoint, protocol="grpc")
-    store = Store(tmp_path / "outbox.db", [sink.name])
-    worker = DeliveryWorker(sink, StoreRef(store), Metrics(), idle_refresh=0.2)
+    outbox = Outbox(tmp_path, [sink.name])
+    worker = DeliveryWorker(sink, outbox, Metrics(), idle_refresh=0.2)
     worker.start()
     try:
-        store.commit(None, records(1))
-        worker.wake()
+        outbox.append(records(1))
         wait_until(lambda: len(peer.received.log_records()) == 1, timeout=10)
         wait_until(lambda: sink._exporter is None, timeout=5)  # the quiet spell closed the channel
-        store.commit(None, records(2))
-        worker.wake()
+        outbox.append(records(2))
         wait_until(lambda: len(peer.received.log_records()) == 2, timeout=10)
         assert [r["attrs"]["azure.scheduled_event.id"] for r in peer.received.log_records()] == ["IDLE-1", "IDLE-2"]
     finally:
         worker.stop()
         sink.close()
-        store.close()
+        outbox.close()
         peer.stop()

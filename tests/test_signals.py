@@ -20,8 +20,8 @@ import pytest
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.outbox.delivery import DeliveryWorker, StoreRef, stop_workers
-from forewarn.outbox.store import DB_FILE, Store
+from forewarn.outbox.delivery import DeliveryWorker, stop_workers
+from forewarn.outbox.outbox import Outbox
 from forewarn.records import Record, to_record
 from forewarn.tracker import diff_documents
 
@@ -159,12 +159,12 @@ def test_stop_with_a_hung_sink_ends_within_the_drain_timeout_and_keeps_the_outbo
     log = proc.log()
     assert f"received {signal.Signals(signum).name}, stopping" in log and log.rstrip().endswith("stopped"), log
     assert "still delivering to otlp" in log
-    store = Store(proc.state_dir / DB_FILE, ["otlp", file_sink])
+    outbox = Outbox(proc.state_dir, ["otlp", file_sink])
     try:
-        assert store.backlog("otlp").records >= 1, "what the hung sink did not take stays in the outbox"
-        assert store.backlog(file_sink).records == 0
+        assert outbox.backlog("otlp").records >= 1, "what the hung sink did not take stays in the outbox"
+        assert outbox.backlog(file_sink).records == 0
     finally:
-        store.close()
+        outbox.close()
 
 
 # --- in-process: sinks drain in parallel ------------------------------------------------------------------
@@ -199,40 +199,38 @@ def one_record() -> list[Record]:
             for change in diff_documents(None, document)]
 
 
-def drain(tmp_path: Path, sinks: Sequence[Any], timeout: float) -> tuple[float, Store, list[str]]:
-    store = Store(tmp_path / "outbox.db", [sink.name for sink in sinks])
-    workers = [DeliveryWorker(sink, StoreRef(store), Metrics()) for sink in sinks]
+def drain(tmp_path: Path, sinks: Sequence[Any], timeout: float) -> tuple[float, Outbox, list[str]]:
+    outbox = Outbox(tmp_path, [sink.name for sink in sinks])
+    workers = [DeliveryWorker(sink, outbox, Metrics()) for sink in sinks]
     for worker in workers:
         worker.start()
-    store.commit(None, one_record())
-    for worker in workers:
-        worker.wake()
+    outbox.append(one_record())
     for sink in sinks:
         assert sink.sending.wait(5)
     started = time.monotonic()
     late = stop_workers(workers, timeout)
-    return time.monotonic() - started, store, late
+    return time.monotonic() - started, outbox, late
 
 
 def test_sinks_drain_in_parallel(tmp_path: Path) -> None:
     sinks = [SlowSink(f"slow{i}", 0.6) for i in range(3)]
-    elapsed, store, late = drain(tmp_path, sinks, timeout=5)
+    elapsed, outbox, late = drain(tmp_path, sinks, timeout=5)
     try:
         assert elapsed < 1.2, f"three 0.6 s sends took {elapsed:.2f} s: not in parallel"
         assert late == [] and all(len(sink.received) == 1 for sink in sinks)
-        assert all(store.backlog(sink.name).records == 0 for sink in sinks)
+        assert all(outbox.backlog(sink.name).records == 0 for sink in sinks)
     finally:
-        store.close()
+        outbox.close()
 
 
 def test_hung_sinks_are_bounded_together_by_the_drain_timeout(tmp_path: Path) -> None:
     sinks = [SlowSink(f"hung{i}", None) for i in range(3)]
-    elapsed, store, late = drain(tmp_path, sinks, timeout=0.5)
+    elapsed, outbox, late = drain(tmp_path, sinks, timeout=0.5)
     try:
         assert elapsed < 0.5 + 0.5, elapsed
         assert sorted(late) == ["hung0", "hung1", "hung2"]
-        assert all(store.backlog(sink.name).records == 1 for sink in sinks), "undelivered records stay"
+        assert all(outbox.backlog(sink.name).records == 1 for sink in sinks), "undelivered records stay"
     finally:
         for sink in sinks:
             sink.release.set()
-        store.close()
+        outbox.close()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from forewarn.sinks import SinkConfigError, build_sink
+from forewarn.config import ConfigError
+from forewarn.sinks import SinkConfigError, build_sink, build_sinks
 
 PROBE = """
 import sys
-from forewarn.agent import build_sinks
+from forewarn.sinks import build_sinks
 build_sinks({specs!r})
 heavy = sorted({{m.split('.')[0] + '.' + m.split('.')[1] if '.' in m else m for m in sys.modules
                 if m.startswith(('azure.eventhub', 'azure.identity', 'opentelemetry', 'grpc'))}})
@@ -52,3 +54,15 @@ def test_eventhubs_loads_only_azure() -> None:
 def test_bad_specs_name_what_is_valid(spec: str, message: str) -> None:
     with pytest.raises(SinkConfigError, match=message):
         build_sink(spec, {})
+
+
+def test_build_sinks_names_the_option_and_refuses_a_sink_given_twice(tmp_path: Path) -> None:
+    target = str(tmp_path / "records.jsonl")
+    sinks = build_sinks(["stdout", f"file:{target}"])
+    assert [sink.name for sink in sinks] == ["stdout", f"file:{target}"]
+    for sink in sinks:
+        sink.close()
+    with pytest.raises(ConfigError, match="--sink file:PATH needs a path"):
+        build_sinks(["stdout", "file:"])
+    with pytest.raises(ConfigError, match="--sink: the same sink is given twice"):
+        build_sinks([f"file:{target}", "stdout", f"file:{target}"])

@@ -1,8 +1,11 @@
+"""The outbox through its interface: append, take, ack, backlog, wait, and its fail-over to memory and back."""
+
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -12,9 +15,12 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.outbox.store import DB_FILE, Store, StoreError
+from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
+from forewarn.outbox.store import DB_FILE
 from forewarn.records import Record, to_record
 from forewarn.tracker import diff_documents
+
+from conftest import wait_until
 
 
 def records(n: int, start: int = 0) -> list[Record]:
@@ -30,58 +36,95 @@ def records(n: int, start: int = 0) -> list[Record]:
 DOC = parse_document({"DocumentIncarnation": 7, "Events": []})
 
 
-def test_state_survives_reopening(tmp_path: Path) -> None:
-    store = Store(tmp_path / DB_FILE, ["stdout"])
-    store.commit(DOC, records(2))
-    store.close()
-    reopened = Store(tmp_path / DB_FILE, ["stdout"])
+class Told(OutboxObserver):
+    """Remembers what the outbox reported (the agent turns the same calls into metrics)."""
+
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+        self.writable: list[bool] = []
+
+    def records_dropped(self, count: int) -> None:
+        self.dropped.append(count)
+
+    def writable_changed(self, writable: bool) -> None:
+        self.writable.append(writable)
+
+
+def subjects(outbox: Outbox, sink: str) -> list[str]:
+    return [record.subject for _, record in outbox.take(sink, 100)]
+
+
+def ack_through(outbox: Outbox, sink: str, count: int) -> None:
+    """Acknowledge the first `count` records waiting for `sink`."""
+    outbox.ack(sink, outbox.take(sink, count)[-1][0])
+
+
+def test_state_and_records_survive_reopening(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, ["stdout"])
+    assert outbox.writable and outbox.load_document() is None
+    outbox.append(records(2), DOC)
+    outbox.close()
+    reopened = Outbox(tmp_path, ["stdout"])
     loaded = reopened.load_document()
     assert loaded is not None and loaded.incarnation == 7
-    assert [r.subject for _, r in reopened.fetch("stdout", 10)] == ["E0", "E1"]
+    assert subjects(reopened, "stdout") == ["E0", "E1"]
+    reopened.close()
+    with pytest.raises(StoreError):
+        reopened.append(records(1))
 
 
-def test_each_sink_has_its_own_cursor_and_acked_records_are_pruned(tmp_path: Path) -> None:
-    store = Store(tmp_path / DB_FILE, ["fast", "slow"])
-    store.commit(DOC, records(5))
-    fast = store.fetch("fast", 10)
-    store.ack("fast", fast[-1][0])
-    assert store.fetch("fast", 10) == []
-    assert store.backlog("fast").records == 0
-    assert [r.subject for _, r in store.fetch("slow", 2)] == ["E0", "E1"]
-    assert store.backlog("slow").records == 5
-    slow = store.fetch("slow", 3)
-    store.ack("slow", slow[-1][0])
-    assert store.dump()[0][0][0] == slow[-1][0] + 1, "records every sink has are deleted"
+def test_each_sink_has_its_own_cursor_and_what_every_sink_has_is_deleted(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, ["fast", "slow"])
+    outbox.append(records(5), DOC)
+    ack_through(outbox, "fast", 10)
+    assert subjects(outbox, "fast") == [] and outbox.backlog("fast").records == 0
+    assert [record.subject for _, record in outbox.take("slow", 2)] == ["E0", "E1"]
+    backlog = outbox.backlog("slow")
+    assert backlog.records == 5 and backlog.oldest_created is not None
+    ack_through(outbox, "slow", 3)
+    outbox.close()
+    # A sink seen for the first time starts at the oldest record still waiting: E0-E2 are gone.
+    reopened = Outbox(tmp_path, ["fast", "slow", "new"])
+    assert subjects(reopened, "new") == ["E3", "E4"]
+    reopened.close()
 
 
-def test_overflow_drops_the_oldest(tmp_path: Path) -> None:
-    store = Store(tmp_path / DB_FILE, ["stdout"], max_records=3)
-    assert store.commit(DOC, records(2)) == 0
-    assert store.commit(DOC, records(3, start=2)) == 2
-    assert [r.subject for _, r in store.fetch("stdout", 10)] == ["E2", "E3", "E4"]
+def test_overflow_drops_the_oldest_and_says_so(tmp_path: Path) -> None:
+    told = Told()
+    outbox = Outbox(tmp_path, ["stdout"], max_records=3, observer=told)
+    assert outbox.append(records(2), DOC) == 0
+    assert outbox.append(records(3, start=2), DOC) == 2
+    assert subjects(outbox, "stdout") == ["E2", "E3", "E4"]
+    assert told.dropped == [2]
+    outbox.close()
 
 
 def test_new_sink_gets_what_is_still_waiting_and_removed_sink_stops_holding_records(tmp_path: Path) -> None:
-    store = Store(tmp_path / DB_FILE, ["a", "b"])
-    store.commit(DOC, records(3))
-    store.ack("a", store.fetch("a", 10)[-1][0])
-    store.close()
-    store = Store(tmp_path / DB_FILE, ["a", "c"])
-    assert [r.subject for _, r in store.fetch("c", 10)] == ["E0", "E1", "E2"]
-    store.ack("c", store.fetch("c", 10)[-1][0])
-    assert store.dump()[0] == []
+    outbox = Outbox(tmp_path, ["a", "b"])
+    outbox.append(records(3), DOC)
+    ack_through(outbox, "a", 10)
+    outbox.close()
+    outbox = Outbox(tmp_path, ["a", "c"])
+    assert subjects(outbox, "c") == ["E0", "E1", "E2"]
+    ack_through(outbox, "c", 10)
+    outbox.close()
+    # Had "b" still held them, a sink added now would start at E0.
+    outbox = Outbox(tmp_path, ["a", "c", "d"])
+    assert subjects(outbox, "d") == []
+    outbox.close()
 
 
-def test_outbox_moves_between_stores_with_cursors_intact(tmp_path: Path) -> None:
-    disk = Store(tmp_path / DB_FILE, ["a", "b"])
-    disk.commit(DOC, records(4))
-    disk.ack("a", disk.fetch("a", 2)[-1][0])
-    memory = Store(None, ["a", "b"])
-    memory.adopt(*disk.dump(), DOC)
-    assert [r.subject for _, r in memory.fetch("a", 10)] == ["E2", "E3"]
-    assert [r.subject for _, r in memory.fetch("b", 10)] == ["E0", "E1", "E2", "E3"]
-    memory.commit(DOC, records(1, start=4))
-    assert memory.fetch("a", 10)[-1][1].subject == "E4"
+def test_wait_ends_when_records_are_appended(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, ["a"])
+    assert not outbox.wait("a", 0.01), "nothing appended: the wait times out"
+    appender = threading.Thread(target=outbox.append, args=(records(1),))
+    appender.start()
+    assert outbox.wait("a", 5)
+    appender.join()
+    assert subjects(outbox, "a") == ["E0"]
+    outbox.wake("a")
+    assert outbox.wait("a", 5), "wake ends a wait too (a worker that is stopping)"
+    outbox.close()
 
 
 @contextmanager
@@ -104,28 +147,52 @@ def read_only(directory: Path) -> Iterator[None]:
         subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
-def test_read_only_state_dir_is_a_store_error(tmp_path: Path) -> None:
-    with read_only(tmp_path), pytest.raises(StoreError):
-        Store(tmp_path / DB_FILE, ["stdout"])
+def test_read_only_state_dir_holds_records_in_memory_until_it_is_writable(tmp_path: Path) -> None:
+    told = Told()
+    with read_only(tmp_path):
+        outbox = Outbox(tmp_path, ["stdout"], observer=told)
+        assert not outbox.writable
+        outbox.append(records(2), DOC)
+        assert subjects(outbox, "stdout") == ["E0", "E1"]
+        assert not outbox.recover()
     assert not (tmp_path / DB_FILE).exists()
+    assert outbox.recover() and outbox.writable and told.writable == [True]
+    outbox.close()
+    reopened = Outbox(tmp_path, ["stdout"])
+    assert subjects(reopened, "stdout") == ["E0", "E1"], "carried to disk"
+    document = reopened.load_document()
+    assert document is not None and document.incarnation == 7
+    reopened.close()
 
 
-def test_unwritable_database_is_a_store_error(tmp_path: Path) -> None:
-    target = tmp_path / "not-a-dir"
-    target.write_text("x")
-    with pytest.raises(StoreError):
-        Store(target / DB_FILE, ["stdout"])
+def test_records_carried_to_disk_keep_their_cursors_and_new_ones_are_never_skipped(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    outbox = Outbox(blocker / "state", ["a", "b"])
+    assert not outbox.writable
+    outbox.append(records(3), DOC)
+    ack_through(outbox, "a", 1)
+    blocker.unlink()
+    assert outbox.recover()
+    outbox.append(records(1, start=3), DOC)
+    assert subjects(outbox, "a") == ["E1", "E2", "E3"]
+    assert subjects(outbox, "b") == ["E0", "E1", "E2", "E3"]
+    ack_through(outbox, "a", 3)
+    outbox.close()
+    reopened = Outbox(blocker / "state", ["a", "b"])
+    assert subjects(reopened, "a") == [] and len(subjects(reopened, "b")) == 4
+    reopened.close()
 
 
-def test_adopted_cursors_never_skip_new_records(tmp_path: Path) -> None:
-    disk = Store(tmp_path / DB_FILE, ["a"])
-    disk.commit(DOC, records(3))
-    disk.ack("a", disk.fetch("a", 10)[-1][0])
-    memory = Store(None, ["a"])
-    memory.adopt(*disk.dump(), DOC)
-    memory.commit(DOC, records(2, start=3))
-    assert [r.subject for _, r in memory.fetch("a", 10)] == ["E3", "E4"]
-    fresh = Store(tmp_path / "other.sqlite", ["a"])
-    fresh.adopt(*memory.dump(), DOC)
-    fresh.commit(DOC, records(1, start=5))
-    assert [r.subject for _, r in fresh.fetch("a", 10)] == ["E3", "E4", "E5"]
+def test_unusable_state_dir_is_retried_on_its_own(tmp_path: Path) -> None:
+    told = Told()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    outbox = Outbox(blocker / "state", ["a"], observer=told, retry_seconds=0.02)
+    outbox.append(records(1), DOC)
+    assert not outbox.writable
+    blocker.unlink()
+    wait_until(lambda: outbox.writable, timeout=5, message="the retry to find the state dir usable")
+    assert told.writable == [True]
+    assert (blocker / "state" / DB_FILE).exists() and subjects(outbox, "a") == ["E0"]
+    outbox.close()

@@ -3,7 +3,7 @@
 One poll, from the wire to every consumer:
     client.get_scheduled_events() -> Document -> Tracker.apply() -> [Change]
         -> metrics View (scrape-time collector) and counters
-        -> records -> Store.commit() with the document (outbox) -> delivery workers -> sinks
+        -> records -> Outbox.append() with the document -> delivery workers -> sinks
         -> change listeners (the approver)
 Polling happens on the main thread at a fixed cadence; delivery, the HTTP server and the simulator
 have threads of their own, so nothing they do can delay a poll.
@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Protocol
 
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
@@ -24,15 +23,12 @@ from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
-from forewarn.outbox.delivery import DeliveryWorker, StoreRef
-from forewarn.outbox.store import DB_FILE, Store, StoreError
-from forewarn.records import Record, to_record
+from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
+from forewarn.records import to_record
 from forewarn.tracker import Change, ChangeKind, Tracker
 
 log = logging.getLogger(__name__)
 
-#: While the state dir is unusable, how often to try it again.
-STORE_RETRY_SECONDS = 30.0
 #: Until instance metadata has been read once, how often to try again.
 COMPUTE_RETRY_SECONDS = 60.0
 #: While IMDS fails, polls are at least this far apart (at most 2 requests/s during an outage).
@@ -45,6 +41,22 @@ class ChangeListener(Protocol):
     def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None: ...
 
 
+class OutboxMetrics(OutboxObserver):
+    """The outbox's storage events as metrics: failed writes, dropped records, and the state_writable gauge."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def write_failed(self) -> None:
+        self._metrics.store_errors.inc()
+
+    def records_dropped(self, count: int) -> None:
+        self._metrics.outbox_dropped.inc(count)
+
+    def writable_changed(self, writable: bool) -> None:
+        self._metrics.views.store_writable(writable)
+
+
 class Poller:
     """The poll loop and what it feeds. Everything with I/O is passed in, so tests can drive it."""
 
@@ -52,22 +64,16 @@ class Poller:
         self,
         client: ImdsClient,
         metrics: Metrics,
-        store: Store,
-        state_dir: Path | None,
-        workers: Sequence[DeliveryWorker] = (),
-        stores: StoreRef | None = None,
+        outbox: Outbox,
         vm_name: str | None = None,
         poll_interval: float = 1.0,
         max_backoff: float = 10.0,
         compute_refresh: float = 3600.0,
-        store_writable: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.metrics = metrics
-        self.stores = stores or StoreRef(store)
-        self.state_dir = state_dir
-        self.workers = list(workers)
+        self.outbox = outbox
         self.vm_name = vm_name
         self.vm = VmInfo().with_name(vm_name)
         if poll_interval < client.shortest_poll_interval:
@@ -84,25 +90,18 @@ class Poller:
         self.tracker = Tracker(self._load_history())
         self._failures = 0
         self._imds_log = StateLog(log, "IMDS")
-        self._store_log = StateLog(log, "state dir")
         self._warned: set[str] = set()
-        self._spool_lock = threading.Lock()
         self._next_compute = 0.0
-        self._store_writable = store_writable
-        self._next_store_retry = clock() + STORE_RETRY_SECONDS
         self._status_since: dict[str, tuple[str, float]] = {}
         if self.tracker.current is not None:
             self._track_status(self.tracker.current, clock())
-        self.metrics.views.update(vm=self.vm, store_writable=store_writable, document=self.tracker.current,
-                                  status_since=self._since_view())
-
-    @property
-    def store(self) -> Store:
-        return self.stores.store
+        self.metrics.views.vm_known(self.vm)
+        self.metrics.views.store_writable(outbox.writable)
+        self.metrics.views.document_resumed(self.tracker.current, self._since_view())
 
     def _load_history(self) -> Document | None:
         try:
-            document = self.store.load_document()
+            document = self.outbox.load_document()
         except StoreError as exc:
             log.error("cannot read saved state (%s); starting without history", exc)
             return None
@@ -117,9 +116,6 @@ class Poller:
         now = self.clock()
         if now >= self._next_compute:
             self._refresh_compute(now)
-        if not self._store_writable and now >= self._next_store_retry:
-            with self._spool_lock:
-                self._try_disk_store()
         try:
             document = self.client.get_scheduled_events()
         except Stopped:
@@ -144,7 +140,7 @@ class Poller:
         IMDS asks for it with Retry-After (capped by --imds-max-backoff).
         """
         self._failures += 1
-        self.metrics.views.update(imds_up=False)
+        self.metrics.views.imds_failed()
         kept = len(self.tracker.current.events) if self.tracker.current else 0
         self._imds_log.failing(key, f"{message}; keeping the last known {kept} event(s)")
         delay = max(self.poll_interval, OUTAGE_PACE)
@@ -164,11 +160,10 @@ class Poller:
         changes = self.tracker.apply(document)
         if changes:
             self._track_status(document, now)
-            self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now,
-                                      status_since=self._since_view())
+            self.metrics.views.document_seen(self.tracker.current, now, self._since_view())
             self._report(document, changes, now)
         else:
-            self.metrics.views.update(document=self.tracker.current, imds_up=True, last_success=now)
+            self.metrics.views.document_seen(self.tracker.current, now)
         # Listeners see every good poll: approval timing depends on the clock, not only on changes.
         for listener in self.listeners:
             try:
@@ -202,70 +197,7 @@ class Poller:
             elif change.kind is ChangeKind.REMOVED:
                 self.metrics.ended.labels(event.event_type, str(change.outcome)).inc()
             records.append(to_record(change, self.vm, observed_at))
-        self.spool(records, document)
-
-    def spool(self, records: Sequence[Record], document: Document | None = None) -> None:
-        """Put records in the outbox, with the document they came from when given, then wake the workers.
-
-        Other threads (the approver) spool without a document: only the poll loop moves the saved state
-        forward, and only together with the records of that document's changes.
-        """
-        with self._spool_lock:
-            try:
-                dropped = self.store.commit(document, records)
-            except StoreError as exc:
-                self.metrics.store_errors.inc()
-                self._degrade(str(exc))
-                dropped = self.store.commit(document, records)
-            if dropped:
-                self.metrics.outbox_dropped.inc(dropped)
-                log.error("outbox full (%d records): dropped the %d oldest", self.store.max_records, dropped)
-        for worker in self.workers:
-            worker.wake()
-
-    # --- when the state dir fails -------------------------------------------------------------
-    def _degrade(self, reason: str) -> None:
-        """Move the outbox into memory so records keep flowing while the disk cannot take them."""
-        self._store_log.failing("write", f"cannot write state ({reason}); holding records in memory "
-                                "until it can, retrying every %g s" % STORE_RETRY_SECONDS)
-        old = self.store
-        memory = Store(None, [w.sink.name for w in self.workers], old.max_records)
-        try:
-            rows, cursors = old.dump()
-            memory.adopt(rows, cursors, self.tracker.current)
-        except StoreError as exc:
-            log.error("could not carry the outbox over to memory (%s); records waiting on disk are "
-                      "delivered once it recovers", exc)
-        self.stores.store = memory
-        # Closing every connection releases any lock a failed write left behind, so the disk store can be
-        # opened again as soon as there is room.
-        old.close()
-        self._store_writable = False
-        self._next_store_retry = self.clock() + STORE_RETRY_SECONDS
-        self.metrics.views.update(store_writable=False)
-
-    def _try_disk_store(self) -> None:
-        self._next_store_retry = self.clock() + STORE_RETRY_SECONDS
-        if self.state_dir is None:
-            return
-        memory = self.store
-        disk = None
-        try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            disk = Store(self.state_dir / DB_FILE, [w.sink.name for w in self.workers], memory.max_records)
-            rows, cursors = memory.dump()
-            disk.adopt(rows, cursors, self.tracker.current)
-        except (OSError, StoreError) as exc:
-            log.debug("state dir still unusable: %s", exc)
-            if disk is not None:
-                disk.close()
-            return
-        self.stores.store = disk
-        self._store_writable = True
-        self._store_log.ok()
-        self.metrics.views.update(store_writable=True)
-        for worker in self.workers:
-            worker.wake()
+        self.outbox.append(records, document)
 
     # --- instance metadata --------------------------------------------------------------------
     def _refresh_compute(self, now: float) -> None:
@@ -281,7 +213,7 @@ class Poller:
             log.info("this VM: name=%s scale_set=%s location=%s", vm.name or "-", vm.vm_scale_set or "-",
                      vm.location or "-")
         self.vm = vm
-        self.metrics.views.update(vm=vm)
+        self.metrics.views.vm_known(vm)
         self._next_compute = now + self.compute_refresh
 
     # --- the loop -----------------------------------------------------------------------------

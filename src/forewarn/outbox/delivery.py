@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-from forewarn.imds.client import Backoff
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
-from forewarn.outbox.store import Store, StoreError
+from forewarn.outbox.outbox import Outbox
+from forewarn.outbox.store import StoreError
+from forewarn.retry import Backoff
 from forewarn.sinks import Sink
 
 log = logging.getLogger(__name__)
@@ -22,25 +23,17 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 500
 
 
-class StoreRef:
-    """The store in use; the service swaps in a disk store once an unwritable state dir recovers."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-
 class DeliveryWorker:
     """Delivers one sink's records. `stop()` first drains what is waiting, for at most its timeout:
     records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
 
-    def __init__(self, sink: Sink, stores: StoreRef, metrics: Metrics, stop: threading.Event | None = None,
+    def __init__(self, sink: Sink, outbox: Outbox, metrics: Metrics, stop: threading.Event | None = None,
                  backoff: Backoff | None = None, idle_refresh: float = 30.0) -> None:
         self.sink = sink
-        self._stores = stores
+        self._outbox = outbox
         self._metrics = metrics
         self._stop = stop or threading.Event()
         self._draining = threading.Event()
-        self._wake = threading.Event()
         self._backoff = backoff or Backoff(base=0.5, cap=30.0)
         self._idle_refresh = idle_refresh
         self._failures = StateLog(log, f"sink {sink.name}")
@@ -49,9 +42,6 @@ class DeliveryWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def wake(self) -> None:
-        self._wake.set()
-
     def stop(self, drain_timeout: float = 5.0) -> None:
         """Deliver what is waiting (up to `drain_timeout` seconds), then end the thread."""
         stop_workers([self], drain_timeout)
@@ -59,15 +49,15 @@ class DeliveryWorker:
     def _begin_drain(self) -> None:
         """Deliver what is waiting, then end (a failed send ends it at once: there is no time to retry)."""
         self._draining.set()
-        self._wake.set()
+        self._outbox.wake(self.sink.name)
 
     def _halt(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._outbox.wake(self.sink.name)
 
-    def _publish_backlog(self, store: Store) -> None:
+    def _publish_backlog(self) -> None:
         try:
-            self._metrics.views.set_backlog(self.sink.name, store.backlog(self.sink.name))
+            self._metrics.views.backlog(self.sink.name, self._outbox.backlog(self.sink.name))
         except Exception as exc:  # a metrics refresh must never stop delivery
             log.debug("cannot read backlog of %s: %s", self.sink.name, exc)
 
@@ -84,20 +74,17 @@ class DeliveryWorker:
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
-            store = self._stores.store
             try:
-                batch = store.fetch(self.sink.name, BATCH_SIZE)
+                batch = self._outbox.take(self.sink.name, BATCH_SIZE)
             except StoreError as exc:
                 self._failures.failing("store", f"cannot read the outbox: {exc}")
                 self._stop.wait(self._backoff.delay(attempt))
                 continue
             if not batch:
-                self._publish_backlog(store)
+                self._publish_backlog()
                 if self._draining.is_set():
                     return
-                woke = self._wake.wait(self._idle_refresh)
-                self._wake.clear()
-                if not woke:
+                if not self._outbox.wait(self.sink.name, self._idle_refresh):
                     self._idle()
                 continue
             try:
@@ -106,7 +93,7 @@ class DeliveryWorker:
                 self._metrics.record_failures.labels(self.sink.name).inc()
                 self._failures.failing(type(exc).__name__ + str(exc)[:60],
                                        f"delivery failed, will retry: {exc}")
-                self._publish_backlog(store)
+                self._publish_backlog()
                 if self._draining.is_set():
                     return
                 self._stop.wait(self._backoff.delay(attempt))
@@ -116,12 +103,12 @@ class DeliveryWorker:
             self._failures.ok()
             self._metrics.records.labels(self.sink.name).inc(len(batch))
             try:
-                store.ack(self.sink.name, batch[-1][0])
+                self._outbox.ack(self.sink.name, batch[-1][0])
             except StoreError as exc:
                 # Delivered but not remembered: the batch will be sent again (same record ids).
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
                 self._stop.wait(0.5)
-            self._publish_backlog(store)
+            self._publish_backlog()
 
 
 #: After the drain timeout, how long workers get to notice the stop (one in a backoff wait ends at once).

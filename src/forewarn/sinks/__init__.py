@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from forewarn.config import ConfigError, Settings
 from forewarn.records import Record
 
 
@@ -64,3 +65,18 @@ def build_sink(spec: str, options: Mapping[str, Any] | None = None) -> Sink:
                              namespace=options.get("eventhubs_namespace"), hub=options.get("eventhubs_name"),
                              client_id=options.get("eventhubs_client_id"))
     raise SinkConfigError(f"--sink {spec!r} is not a known sink; valid: stdout, file:PATH, otlp, eventhubs")
+
+
+def build_sinks(specs: Sequence[str], settings: Settings | None = None) -> list[Sink]:
+    """The sinks of every `--sink` spec, configured from `settings`; raises ConfigError for an unusable
+    spec or a sink given twice (a sink's name keys its outbox cursor and its metrics)."""
+    sinks: list[Sink] = []
+    for spec in specs:
+        try:
+            sinks.append(build_sink(spec, settings.values if settings is not None else None))
+        except SinkConfigError as exc:
+            raise ConfigError(str(exc)) from None
+    names = [sink.name for sink in sinks]
+    if len(set(names)) != len(names):
+        raise ConfigError("--sink: the same sink is given twice")
+    return sinks
