@@ -14,8 +14,8 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.records import to_record
-from forewarn.tracker import Change, ChangeKind, diff_documents
+from forewarn.records import approval_record, to_record
+from forewarn.tracker import diff_documents
 
 ADX = Path(__file__).parent.parent / "deploy" / "adx"
 SCHEMA = json.loads(resources.files("forewarn").joinpath("schemas/record.schema.json").read_text())
@@ -63,8 +63,7 @@ def sample_records() -> list[dict[str, Any]]:
     changes = diff_documents(None, docs[0]) + diff_documents(docs[0], docs[1]) + diff_documents(docs[1], docs[2])
     now = datetime.now(timezone.utc)
     records = [to_record(change, vm, now).to_dict() for change in changes]
-    approved = Change(ChangeKind.APPROVED, docs[0].events[0], 1)
-    records.append(to_record(approved, vm, now, extra={"policy_rule": "r", "dry_run": False}).to_dict())
+    records.append(approval_record(docs[0].events[0], vm, "r", False, 1, now).to_dict())
     return records
 
 

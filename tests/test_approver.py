@@ -1,9 +1,10 @@
-"""The approver in-process: plain documents, a clock the test moves, and an IMDS that records StartRequests.
+"""The approver in-process: plain documents, a clock the test moves, and a Starter that records requests.
 
 Decisions depend on time (delay, stagger, approve_within, windows, the re-check after an approval), so
-the approver reads a fake clock. Its slow work (hooks, the POST) runs on its pool; with one worker the
-pool runs tasks in order, and `settle` waits for everything handed to it so far, so "nothing was sent"
-is checked after the work had every chance to happen, not after a sleep.
+the approver reads a fake clock. Its slow work (hooks, the start request) runs on its pool, and `settle`
+waits (`Approver.idle`) for everything handed to it so far, so "nothing was sent" is checked after the
+work had every chance to happen, not after a sleep. One test drives the real IMDS POST (`ImdsStarter`)
+against the simulator.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
-from forewarn.approval.approver import CONFIRM_AFTER, Approver
+from forewarn.approval.approver import CONFIRM_AFTER, STAGES, Approver, Stage, Track
 from forewarn.approval.policy import parse_policy
-from forewarn.imds.client import ImdsClient, ImdsError
+from forewarn.approval.starter import ImdsStarter, Starter, StartError
+from forewarn.imds.client import ImdsClient
 from forewarn.imds.document import Document, format_not_before, parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
@@ -45,18 +47,30 @@ class Clock:
         self.now += seconds
 
 
-class Imds:
-    """Stands in for IMDS's POST: records each StartRequests call; `fail` makes the next calls fail."""
+class Starts:
+    """Stands in for the Starter (IMDS's POST): records each request; `fail` makes the next ones fail."""
 
     def __init__(self) -> None:
         self.posts: list[list[str]] = []
         self.fail = 0
 
-    def start_events(self, event_ids: Sequence[str]) -> None:
+    def start(self, event_ids: Sequence[str]) -> None:
         if self.fail:
             self.fail -= 1
-            raise ImdsError("IMDS answered 500", code=500, retryable=True)
+            raise StartError("IMDS answered 500")
         self.posts.append(list(event_ids))
+
+
+class SlowStarts(Starts):
+    """A Starter that answers only once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def start(self, event_ids: Sequence[str]) -> None:
+        self.release.wait(30)
+        super().start(event_ids)
 
 
 def event(event_id: str = "E1", *, status: str = "Scheduled", not_before: float | None = NOON + 900,
@@ -70,18 +84,21 @@ def event(event_id: str = "E1", *, status: str = "Scheduled", not_before: float 
 class Harness:
     """An approver fed documents the way the collector feeds it, with everything it does recorded."""
 
-    def __init__(self, policy: str, imds: Any = None, dry_run: bool = False, vm: VmInfo = VM) -> None:
+    def __init__(self, policy: str, starter: Starter | None = None, dry_run: bool = False, vm: VmInfo = VM,
+                 spool: Callable[[], None] = lambda: None) -> None:
         self.clock = Clock()
-        self.imds = imds if imds is not None else Imds()
+        self.starter = starter if starter is not None else Starts()
+        self.spooling = spool  # runs in each call that hands the approver's records to the outbox
         self.metrics = Metrics()
         self.records: list[dict[str, Any]] = []  # as the sinks would write them
         self.vm = vm
         self.tracker = Tracker()
         self.incarnation = 0
-        self.approver = Approver(parse_policy(policy), cast(ImdsClient, self.imds), self.metrics,
-                                 self._spool, dry_run=dry_run, clock=self.clock, workers=1)
+        self.approver = Approver(parse_policy(policy), self.starter, self.metrics, self._spool,
+                                 dry_run=dry_run, clock=self.clock, workers=1)
 
     def _spool(self, records: Sequence[Record]) -> None:
+        self.spooling()
         self.records.extend(record.to_dict() for record in records)
 
     def poll(self, *events: dict[str, Any]) -> Document:
@@ -94,12 +111,13 @@ class Harness:
         return document
 
     def settle(self) -> None:
-        """Wait for every hook and POST handed to the (single-worker, in-order) pool so far."""
-        self.approver._pool.submit(lambda: None).result(timeout=30)
+        """Wait for every hook and start request handed to the approver so far."""
+        assert self.approver.idle(timeout=30), "the approver's work did not finish within 30 s"
 
     def posts(self) -> list[list[str]]:
         self.settle()
-        return list(self.imds.posts)
+        assert isinstance(self.starter, Starts)
+        return list(self.starter.posts)
 
     def approved(self) -> list[tuple[str, str, bool]]:
         self.settle()
@@ -240,7 +258,7 @@ def test_prepare_hook_runs_before_the_approval(tmp_path: Path, harnesses: Callab
     h = harnesses(policy)
     h.poll(event("E1"))  # starts the hook; the approval waits for its result
     assert h.posts() == [] and ran.read_text() == "E1\n"
-    assert h.hook_runs("success") == 1
+    assert h.hook_runs("success") == 1 and h.approver.stage("E1") is Stage.PREPARED
     h.poll(event("E1"))
     assert h.posts() == [["E1"]]
     assert h.approved() == [("E1", "drain", False)]
@@ -258,6 +276,7 @@ def test_failed_prepare_hook_holds_by_default_and_runs_once(tmp_path: Path,
         h.clock.advance(60)
     assert h.posts() == [] and h.approved() == []
     assert h.hook_runs("failure") == 1 and ran.read_text() == "E1\n"
+    assert h.approver.stage("E1") is Stage.HOOK_FAILED
 
 
 def test_failed_prepare_hook_may_be_set_to_approve_anyway(tmp_path: Path,
@@ -331,10 +350,12 @@ def test_no_second_request_once_not_before_has_passed(harnesses: Callable[..., H
 
 def test_a_failed_post_is_counted_and_retried_after_a_backoff(harnesses: Callable[..., Harness]) -> None:
     h = harnesses(APPROVE_REBOOTS)
-    h.imds.fail = 1
+    assert isinstance(h.starter, Starts)
+    h.starter.fail = 1
     h.poll(event("E1"))
     h.settle()
     assert h.approvals("failed") == 1 and h.approved() == []
+    assert h.approver.stage("E1") is Stage.START_FAILED
     h.poll(event("E1"))
     assert h.posts() == [], "not at once: the retry waits for its backoff"
     h.clock.advance(2.0)  # the first retry waits between 1 and 2 s
@@ -348,7 +369,7 @@ def test_dry_run_records_once_and_sends_nothing(harnesses: Callable[..., Harness
             h.poll(event("E1"))
             h.clock.advance(CONFIRM_AFTER)
         assert h.posts() == []
-        assert h.approved() == [("E1", "reboots", True)]
+        assert h.approved() == [("E1", "reboots", True)] and h.approver.stage("E1") is Stage.DECIDED
         assert h.approvals("dry_run") == 1 and not h.approvals("approved")
 
 
@@ -385,12 +406,12 @@ def test_the_post_reaches_imds_over_http_and_starts_the_event(simulator: Callabl
     sim = simulator({"events": [{"at": 0, "type": "Reboot", "notice": 900, "id": "E1"}]})
     client = ImdsClient(sim.url)
     try:
-        h = harnesses(APPROVE_REBOOTS, imds=client)
+        h = harnesses(APPROVE_REBOOTS, starter=ImdsStarter(client))
         document = wait_until(lambda: (d := client.get_scheduled_events()).events and d, timeout=5)
         h.approver.on_changes(document, h.tracker.apply(document), VM)
         wait_until(lambda: sim.sim.approval_posts, timeout=10, message="the StartRequests POST")
         assert [post["event_ids"] for post in sim.sim.approval_posts] == [["E1"]]
-        assert h.approved() == [("E1", "reboots", False)]
+        assert h.approved() == [("E1", "reboots", False)] and h.approver.stage("E1") is Stage.APPROVED
         started = wait_until(lambda: (d := client.get_scheduled_events()).events[0].status == "Started" and d,
                              timeout=10, message="the event started")
         h.approver.on_changes(started, h.tracker.apply(started), VM)
@@ -401,16 +422,60 @@ def test_the_post_reaches_imds_over_http_and_starts_the_event(simulator: Callabl
 
 
 def test_on_changes_never_waits_for_the_post(harnesses: Callable[..., Harness]) -> None:
-    release = threading.Event()
-
-    class SlowImds(Imds):
-        def start_events(self, event_ids: Sequence[str]) -> None:
-            release.wait(30)
-            super().start_events(event_ids)
-
-    h = harnesses(APPROVE_REBOOTS, imds=SlowImds())
+    starter = SlowStarts()
+    h = harnesses(APPROVE_REBOOTS, starter=starter)
     h.poll(event("E1"))
-    h.poll(event("E1"))  # returns although the POST is still under way, and does not send a second one
-    assert h.imds.posts == []
-    release.set()
+    h.poll(event("E1"))  # returns although the request is still under way, and does not send a second one
+    assert starter.posts == [] and h.approver.stage("E1") is Stage.STARTING
+    starter.release.set()
+    assert h.posts() == [["E1"]] and h.approver.stage("E1") is Stage.APPROVED
+
+
+def test_polls_while_the_request_is_under_way_do_not_use_up_the_hourly_cap(
+        harnesses: Callable[..., Harness]) -> None:
+    starter = SlowStarts()
+    h = harnesses("max_approvals_per_hour: 2\n" + APPROVE_REBOOTS, starter=starter)
+    for _ in range(3):
+        h.poll(event("E1"))  # one request under way: polls meanwhile send nothing and count nothing
+    starter.release.set()
     assert h.posts() == [["E1"]]
+    h.poll(event("E1", status="Started"), event("E2"))
+    assert h.posts() == [["E1"], ["E2"]], "one approval so far: the cap of 2 leaves room for E2"
+
+
+def test_a_reload_into_dry_run_stops_asking_again(harnesses: Callable[..., Harness]) -> None:
+    h = harnesses(APPROVE_REBOOTS)
+    h.poll(event("E1"), event("E2"))
+    assert h.posts() == [["E1", "E2"]]
+    h.approver.replace_policy(parse_policy(APPROVE_REBOOTS), dry_run=True)
+    h.clock.advance(CONFIRM_AFTER)
+    h.poll(event("E1"), event("E2"), event("E3"))
+    assert h.posts() == [["E1", "E2"]], "a dry run sends nothing, not even the re-check of an approval"
+    assert h.approved() == [("E1", "reboots", False), ("E2", "reboots", False), ("E3", "reboots", True)]
+
+
+def test_a_slow_outbox_never_holds_up_the_next_poll(harnesses: Callable[..., Harness]) -> None:
+    """Records are handed to the outbox outside the approver's lock: a disk that takes its time to write
+    the `approved` record must not stall the poll loop, which calls the approver after every poll."""
+    spooling, release = threading.Event(), threading.Event()
+    h = harnesses(APPROVE_REBOOTS, spool=lambda: (spooling.set(), release.wait(30)))
+    h.poll(event("E1"))
+    wait_until(spooling.is_set, timeout=10, message="the approved record on its way to the outbox")
+    polled = threading.Thread(target=h.poll, args=(event("E1"),))
+    polled.start()
+    try:
+        wait_until(lambda: not polled.is_alive(), timeout=5, message="the poll during a slow spool returned")
+    finally:
+        release.set()
+        polled.join(10)
+    assert h.approved() == [("E1", "reboots", False)]
+
+
+def test_a_stage_takes_only_the_steps_the_table_lists() -> None:
+    track = Track(first_seen=NOON)
+    with pytest.raises(AssertionError, match="waiting cannot become approved"):
+        track.move(Stage.APPROVED)
+    for step in (Stage.PREPARING, Stage.PREPARED, Stage.STARTING, Stage.START_FAILED, Stage.STARTING,
+                 Stage.APPROVED):
+        track.move(step)
+    assert track.stage is Stage.APPROVED and STAGES[Stage.APPROVED] == frozenset()

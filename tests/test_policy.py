@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from forewarn.approval.policy import PolicyError, decide, load_policy, parse_policy
+from forewarn.approval.policy import Decision, PolicyError, decide, load_policy, parse_policy
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event, parse_document
 
 from conftest import free_port
@@ -39,6 +39,11 @@ def event(event_type: str = "Reboot", status: str = "Scheduled", source: str | N
 DOCS_SAMPLE = load_policy(EXAMPLES / "docs-sample.yaml")
 
 
+def verdict(decision: Decision) -> tuple[str, str | None]:
+    """The action and the name of the rule that matched."""
+    return decision.action, decision.rule.name if decision.rule else None
+
+
 @pytest.mark.parametrize(("event_type", "source", "status"),
                          list(itertools.product(EVENT_TYPES, EVENT_SOURCES, EVENT_STATUSES)))
 def test_rule_matrix_of_the_documented_sample(event_type: str, source: str, status: str) -> None:
@@ -49,11 +54,11 @@ def test_rule_matrix_of_the_documented_sample(event_type: str, source: str, stat
         if status == "Started":
             assert decision.action == "hold"
         elif user:
-            assert (decision.action, decision.rule) == ("approve", "user-initiated")
+            assert verdict(decision) == ("approve", "user-initiated")
         elif short_freeze:
-            assert (decision.action, decision.rule) == ("approve", "short-freeze")
+            assert verdict(decision) == ("approve", "short-freeze")
         else:
-            assert (decision.action, decision.rule) == ("hold", "everything-else")
+            assert verdict(decision) == ("hold", "everything-else")
 
 
 def test_every_example_policy_loads() -> None:
@@ -67,7 +72,7 @@ def test_every_example_policy_loads() -> None:
 def test_drain_example_runs_a_hook_before_reboots_of_this_vm_only() -> None:
     policy = load_policy(EXAMPLES / "drain-then-approve.yaml", check_commands=False)
     mine = decide(policy, event("Reboot", resources=("vm-0",)), "vm-0", NOW, NOW)
-    assert (mine.action, mine.rule) == ("approve", "drain-then-approve")
+    assert verdict(mine) == ("approve", "drain-then-approve")
     assert policy.rules[0].prepare[0].command == ("/usr/local/bin/lb-member", "leave", "--wait-for-drain")
     theirs = decide(policy, event("Reboot", resources=("vm-7",)), "vm-0", NOW, NOW)
     assert theirs.action == "hold"
@@ -77,7 +82,7 @@ def test_drain_example_runs_a_hook_before_reboots_of_this_vm_only() -> None:
 def test_spot_example_approves_preempt_even_after_a_failed_checkpoint() -> None:
     policy = load_policy(EXAMPLES / "spot-checkpoint.yaml", check_commands=False)
     decision = decide(policy, event("Preempt", duration=None, not_before_in=30), "vm-0", NOW, NOW)
-    assert (decision.action, decision.rule) == ("approve", "checkpoint-on-preempt")
+    assert verdict(decision) == ("approve", "checkpoint-on-preempt")
     assert policy.rules[0].on_hook_failure == "approve"
 
 
@@ -91,7 +96,7 @@ def test_staggered_example_orders_vms_by_position_and_respects_windows() -> None
     assert at_noon.action == "wait" and "maintenance windows" in at_noon.reason
     late = NOW + 11 * 3600  # 23:00 UTC Monday
     at_night = decide(policy, reboot, "vm-0", late, late)
-    assert at_night.action == "approve" and at_night.rule == "nightly-maintenance"
+    assert verdict(at_night) == ("approve", "nightly-maintenance")
 
 
 def test_approve_within_waits_until_shortly_before_not_before() -> None:
@@ -129,7 +134,7 @@ def test_safety_rules_no_policy_can_override() -> None:
     assert decide(policy, event(status="Started"), "vm-0", NOW, NOW).action == "hold"
     nothing = parse_policy("rules: [{name: freezes, match: {event_type: [Freeze]}, action: approve}]")
     decision = decide(nothing, event("Reboot"), "vm-0", NOW, NOW)
-    assert (decision.action, decision.rule) == ("hold", None)
+    assert verdict(decision) == ("hold", None)
 
 
 @pytest.mark.parametrize(("match", "fits"), [
@@ -158,10 +163,33 @@ rules:
   - name: rest
     action: hold
 """)
-    assert decide(policy, event(not_before_in=120, resources=("vm-0",)), "vm-0", NOW, NOW).rule == "soon"
+    assert verdict(decide(policy, event(not_before_in=120, resources=("vm-0",)), "vm-0", NOW, NOW)) == \
+        ("approve", "soon")
     web = event(resources=("web-3",), description="paused for a Live Migration")
-    assert decide(policy, web, "web-3", NOW, NOW).rule == "web"
-    assert decide(policy, event(resources=("web-3",)), "web-3", NOW, NOW).rule == "rest"
+    assert verdict(decide(policy, web, "web-3", NOW, NOW)) == ("approve", "web")
+    assert verdict(decide(policy, event(resources=("web-3",)), "web-3", NOW, NOW)) == ("hold", "rest")
+
+
+def test_a_decision_carries_the_rule_it_matched_and_why_earlier_rules_did_not() -> None:
+    """The approver takes the prepare hooks and the record's policy_rule from `rule`, and `policy explain`
+    prints `rule` and `skipped`: one value for both."""
+    policy = parse_policy("""
+rules:
+  - name: freezes
+    match: {event_type: [Freeze]}
+    action: approve
+  - name: mine
+    match: {affects_this_vm: true}
+    action: approve
+    prepare: [{name: drain, command: [/bin/true]}]
+""")
+    decision = decide(policy, event("Reboot", resources=("vm-0",)), "vm-0", NOW, NOW)
+    assert decision.action == "approve" and decision.rule is policy.rules[1]
+    assert decision.rule.prepare[0].name == "drain"
+    assert decision.skipped == ("freezes: event_type Reboot not in ['Freeze']",)
+    held = decide(policy, event("Reboot", resources=("vm-7",)), "vm-0", NOW, NOW)
+    assert (held.action, held.rule) == ("hold", None)
+    assert held.skipped == ("freezes: event_type Reboot not in ['Freeze']", "mine: affects_this_vm is false")
 
 
 def test_delay_postpones_the_approval() -> None:

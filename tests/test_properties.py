@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.records import Record, to_record
-from forewarn.tracker import Change, ChangeKind, Tracker
+from forewarn.records import Record, approval_record, to_record
+from forewarn.tracker import Tracker
 
 from conftest import free_port, require_promtool, require_tool, wait_until
 from strategies import (
@@ -120,8 +120,9 @@ def _incarnations_besides(incarnation: int) -> tuple[int, int]:
     return first, second
 
 
-def changes_of(document: Document) -> list[Change]:
-    """Every change kind for the events of `document`: added, updated (status flipped), removed, approved."""
+def records_of(document: Document, observed_at: datetime = NOW) -> list[Record]:
+    """A record of every kind for the events of `document`: added, updated (status flipped), removed, and
+    approved (the approver's, written by records.approval_record)."""
     tracker = Tracker()
     changes = tracker.apply(document)
     flipped_at, removed_at = _incarnations_besides(document.incarnation)
@@ -130,20 +131,15 @@ def changes_of(document: Document) -> list[Change]:
     flipped = parse_document({**document.raw, "DocumentIncarnation": flipped_at, "Events": raw_events})
     changes += tracker.apply(flipped)
     changes += tracker.apply(parse_document({"DocumentIncarnation": removed_at, "Events": []}))
-    changes += [Change(ChangeKind.APPROVED, event, document.incarnation) for event in document.events]
-    return changes
-
-
-def record_for(change: Change, observed_at: datetime = NOW) -> Record:
-    extra = {"policy_rule": "all", "dry_run": False} if change.kind is ChangeKind.APPROVED else None
-    return to_record(change, VM, observed_at, extra)
+    return [to_record(change, VM, observed_at) for change in changes] + [
+        approval_record(event, VM, "all", False, document.incarnation, observed_at) for event in document.events]
 
 
 def check_records(document: Document) -> list[str]:
     """Every record serializes to UTF-8 JSON that validates against the schema; returns the ids."""
     ids = []
-    for change in changes_of(document):
-        record = record_for(change)
+    later = records_of(document, datetime(2030, 1, 1, tzinfo=timezone.utc))
+    for record, again in zip(records_of(document), later, strict=True):
         text = record.to_json()
         text.encode("utf-8")
         loaded = json.loads(text)
@@ -151,7 +147,7 @@ def check_records(document: Document) -> list[str]:
         json.dumps(loaded, ensure_ascii=False).encode("utf-8")
         errors = sorted(VALIDATOR.iter_errors(loaded), key=lambda e: list(e.absolute_path))
         assert not errors, [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in errors]
-        assert record_for(change, datetime(2030, 1, 1, tzinfo=timezone.utc)).id == record.id
+        assert again.id == record.id
         ids.append(record.id)
     assert len(set(ids)) == len(ids)
     return ids
@@ -193,7 +189,7 @@ def test_every_accepted_document_turns_into_valid_records_with_deterministic_ids
         reject()
     ids = check_records(document)
     again = parse_document(payload)
-    assert [record_for(c).id for c in changes_of(again)] == ids
+    assert [record.id for record in records_of(again)] == ids
 
 
 def collect_documents(count: int) -> list[Document]:

@@ -10,7 +10,7 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.records import Record, to_record
+from forewarn.records import APPROVED, Record, approval_record, to_record
 from forewarn.tracker import Change, ChangeKind, diff_documents
 
 SCHEMA = json.loads(resources.files("forewarn").joinpath("schemas/record.schema.json").read_text())
@@ -88,7 +88,29 @@ def test_schema_rejects_a_removed_record_without_outcome() -> None:
 
 def test_approved_record_carries_rule_and_dry_run() -> None:
     (change,) = changes_of([event()])
-    approved = Change(ChangeKind.APPROVED, change.event, change.incarnation)
-    record = to_record(approved, VM, NOW, extra={"policy_rule": "user-initiated", "dry_run": True}).to_dict()
+    record = approval_record(change.event, VM, "user-initiated", True, change.incarnation, NOW).to_dict()
     VALIDATOR.validate(record)
-    assert record["data"]["policy_rule"] == "user-initiated" and record["data"]["dry_run"] is True
+    assert record["type"] == "io.github.forewarn.scheduled_event.approved" and record["subject"] == "E1"
+    assert record["time"] == "2026-01-02T03:04:05.678Z" and record["source"] == VM.resource_id
+    assert record["data"] == {"change": "approved", "incarnation": 1, "event": event(), "affects_this_vm": True,
+                              "vm": VM.known(), "not_before": "2022-04-11T22:26:58.000Z",
+                              "policy_rule": "user-initiated", "dry_run": True}
+
+
+def test_approved_record_id_is_derived_like_every_other() -> None:
+    """From (VM, event, change, incarnation) and nothing else (not the rule, the dry-run flag, the time), as
+    CONTRACT.md says; the literal pins the derivation, so records written before a change keep their id."""
+    (change,) = changes_of([event()])
+    at_seven = parse_document({"DocumentIncarnation": 7, "Events": [event()]}).events[0]
+    first = approval_record(at_seven, VM, "user-initiated", False, 7, NOW)
+    assert first.id == "fdf8f742-becb-50b4-a9b6-7a42aebddc1f"
+    later = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    assert approval_record(at_seven, VM, "other-rule", True, 7, later).id == first.id
+    assert approval_record(at_seven, VM, "user-initiated", False, 8, NOW).id != first.id
+    assert approval_record(at_seven, VmInfo(name="vm-1"), "user-initiated", False, 7, NOW).id != first.id
+    assert to_record(change, VM, NOW).id != approval_record(change.event, VM, "r", False, 1, NOW).id
+
+
+def test_the_schema_knows_exactly_the_document_changes_and_approved() -> None:
+    changes = SCHEMA["properties"]["data"]["properties"]["change"]["enum"]
+    assert sorted(changes) == sorted([str(kind) for kind in ChangeKind] + [APPROVED])

@@ -1,4 +1,4 @@
-"""Changes as CloudEvents 1.0 records: what every sink receives.
+"""Document changes and approvals as CloudEvents 1.0 records: what every sink receives.
 
 The record id is a UUID derived from (VM, event, change, incarnation), never random, so a record sent
 twice (after a restart or a retry) carries the same id and consumers can drop the repeat.
@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
 from forewarn.tracker import Change, ChangeKind
 
-#: Prefix of every record `type`; the change kind is appended (`...scheduled_event.added`).
+#: Prefix of every record `type`; the change is appended (`...scheduled_event.added`).
 TYPE_PREFIX = "io.github.forewarn.scheduled_event"
+#: The change of the records the approver writes (the others are the tracker's ChangeKinds).
+APPROVED = "approved"
 CONTENT_TYPE = "application/json"
 SPEC_VERSION = "1.0"
 
@@ -74,33 +77,44 @@ def rfc3339(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def to_record(
-    change: Change,
-    vm: VmInfo,
-    observed_at: datetime,
-    extra: Mapping[str, Any] | None = None,
-) -> Record:
-    """The record for `change` as seen by `vm` at `observed_at`; `extra` adds kind-specific fields."""
-    event = change.event
-    data: dict[str, Any] = {
-        "change": str(change.kind),
-        "incarnation": change.incarnation,
+def to_record(change: Change, vm: VmInfo, observed_at: datetime) -> Record:
+    """The record for a document change, as seen by `vm` at `observed_at`."""
+    data = _event_data(str(change.kind), change.event, change.incarnation, vm)
+    if change.kind in (ChangeKind.UPDATED, ChangeKind.REMOVED) and change.previous is not None:
+        data["previous_status"] = change.previous.status
+    if change.kind is ChangeKind.REMOVED and change.outcome is not None:
+        data["outcome"] = str(change.outcome)
+    return _record(str(change.kind), change.event, change.incarnation, vm, observed_at, data)
+
+
+def approval_record(event: Event, vm: VmInfo, rule: str, dry_run: bool, incarnation: int,
+                    at: datetime) -> Record:
+    """The `approved` record: `vm` approved `event` (or would have, under `dry_run`) by the policy rule
+    named `rule`, while the document of `incarnation` was current."""
+    data = _event_data(APPROVED, event, incarnation, vm)
+    data["policy_rule"] = rule
+    data["dry_run"] = dry_run
+    return _record(APPROVED, event, incarnation, vm, at, data)
+
+
+def _event_data(change: str, event: Event, incarnation: int, vm: VmInfo) -> dict[str, Any]:
+    """The `data` fields every record has, in the order records have always had them."""
+    return {
+        "change": change,
+        "incarnation": incarnation,
         "event": dict(event.raw),
         "affects_this_vm": event.affects(vm.name),
         "vm": vm.known(),
         "not_before": rfc3339(event.not_before) if event.not_before else None,
     }
-    if change.kind in (ChangeKind.UPDATED, ChangeKind.REMOVED) and change.previous is not None:
-        data["previous_status"] = change.previous.status
-    if change.kind is ChangeKind.REMOVED and change.outcome is not None:
-        data["outcome"] = str(change.outcome)
-    if extra:
-        data.update(extra)
+
+
+def _record(change: str, event: Event, incarnation: int, vm: VmInfo, at: datetime, data: dict[str, Any]) -> Record:
     return Record(
-        id=record_id(vm.name, event.event_id, str(change.kind), change.incarnation),
+        id=record_id(vm.name, event.event_id, change, incarnation),
         source=record_source(vm),
-        type=f"{TYPE_PREFIX}.{change.kind}",
+        type=f"{TYPE_PREFIX}.{change}",
         subject=event.event_id,
-        time=rfc3339(observed_at),
+        time=rfc3339(at),
         data=data,
     )

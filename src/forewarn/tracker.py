@@ -14,10 +14,12 @@ from forewarn.imds.document import Document, Event
 
 
 class ChangeKind(str, Enum):
+    """How one event differs between two documents. (Approvals are the approver's news, not the
+    document's: records.approval_record writes them.)"""
+
     ADDED = "added"
     UPDATED = "updated"
     REMOVED = "removed"
-    APPROVED = "approved"
 
     def __str__(self) -> str:
         return self.value

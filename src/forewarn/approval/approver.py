@@ -1,8 +1,11 @@
-"""Carry out the policy: run prepare hooks, elect the approving VM, POST StartRequests, confirm.
+"""Carry out the policy: run prepare hooks, elect the approving VM, have the Starter start events, confirm.
 
-Called after every good poll with the document and its changes. All slow work (hooks, the POST) runs on
-a small thread pool, so polling and metrics never wait for it; the next poll picks up the results.
+Called after every good poll with the document and its changes. All slow work (hooks, the start request)
+runs on a small thread pool, so polling and metrics never wait for it; the next poll picks up the results.
 Every approval, sent or dry-run, becomes an `approved` record naming the rule that caused it.
+
+Each event the approver has seen has one `Track`, whose `Stage` says how far it got; `Track.move` is the
+only place a stage changes, and `STAGES` lists every step it may take.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import Enum
 
 from forewarn.approval.hooks import run_hook
-from forewarn.approval.policy import Hook, Policy, decide, first_match
-from forewarn.imds.client import Backoff, ImdsClient, ImdsError
+from forewarn.approval.policy import Hook, Policy, Rule, decide
+from forewarn.approval.starter import Starter, StartError
 from forewarn.imds.document import Document, Event
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.records import Record, to_record
+from forewarn.records import Record, approval_record
+from forewarn.retry import Backoff
 from forewarn.tracker import Change, ChangeKind, Outcome
 
 log = logging.getLogger(__name__)
@@ -31,34 +36,77 @@ log = logging.getLogger(__name__)
 CONFIRM_AFTER = 30.0
 
 
+class Stage(str, Enum):
+    """How far the approval of one event got. Whether the policy holds or approves an event is decided
+    again at every poll (a reload, a window or the event itself may change the answer), so a hold is a
+    decision, logged, not a stage."""
+
+    WAITING = "waiting"            # seen; not approved yet, and no prepare hook has run
+    PREPARING = "preparing"        # its rule's prepare hooks are running
+    PREPARED = "prepared"          # the prepare hooks succeeded: approved when the policy allows
+    HOOK_FAILED = "hook_failed"    # a prepare hook failed: held, unless the rule says on_hook_failure: approve
+    STARTING = "starting"          # the Starter was asked to start it, and has not answered yet
+    START_FAILED = "start_failed"  # the Starter failed: asked again after a backoff, if the policy still approves
+    APPROVED = "approved"          # started; asked again while it stays Scheduled (see CONFIRM_AFTER)
+    DECIDED = "decided"            # dry run: recorded as approved, never sent
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Every step a stage may take. An event that leaves the document is simply forgotten, from any stage.
+STAGES: dict[Stage, frozenset[Stage]] = {
+    Stage.WAITING: frozenset({Stage.PREPARING, Stage.STARTING, Stage.DECIDED}),
+    Stage.PREPARING: frozenset({Stage.PREPARED, Stage.HOOK_FAILED}),
+    Stage.PREPARED: frozenset({Stage.STARTING, Stage.DECIDED}),
+    Stage.HOOK_FAILED: frozenset({Stage.STARTING, Stage.DECIDED}),
+    Stage.STARTING: frozenset({Stage.APPROVED, Stage.START_FAILED}),
+    Stage.START_FAILED: frozenset({Stage.STARTING, Stage.DECIDED}),
+    Stage.APPROVED: frozenset(),
+    Stage.DECIDED: frozenset(),
+}
+
+
 @dataclass
-class _Track:
+class Track:
     """What the approver knows about one event."""
 
     first_seen: float
-    hooks: str = "none"               # none, running, success, failed
-    approved_at: float | None = None  # when IMDS acknowledged our POST
-    dry_run_done: bool = False
-    attempts: int = 0
-    next_attempt: float = 0.0
+    stage: Stage = Stage.WAITING
+    rule: str = ""                    # the rule that approved it, once one did
+    approved_at: float | None = None  # when the Starter last accepted it
+    attempts: int = 0                 # start requests made, for the backoff after a failed one
+    next_attempt: float = 0.0         # no start request before this moment
     said: str = ""                    # the last decision logged, to log each change once
-    rule: str = ""                    # the rule that approved it
+
+    def move(self, to: Stage) -> None:
+        if to not in STAGES[self.stage]:
+            raise AssertionError(f"approval stage {self.stage} cannot become {to}")
+        self.stage = to
+
+
+#: Events the policy may still approve at this poll: the ones not approved yet, nor under way.
+_OPEN = (Stage.WAITING, Stage.PREPARED, Stage.HOOK_FAILED, Stage.START_FAILED)
 
 
 class Approver:
-    def __init__(self, policy: Policy, client: ImdsClient, metrics: Metrics,
+    def __init__(self, policy: Policy, starter: Starter, metrics: Metrics,
                  record: Callable[[Sequence[Record]], None], dry_run: bool = False,
                  clock: Callable[[], float] = time.time, workers: int = 4) -> None:
         self.policy = policy
-        self.client = client
+        self.starter = starter
         self.metrics = metrics
         self.record = record
         self.dry_run = dry_run or policy.dry_run
         self.clock = clock
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="approver")
         self._lock = threading.Lock()
-        self._tracks: dict[str, _Track] = {}
-        self._posting = False
+        # Hooks and start requests handed to the pool and not done yet. Its own lock: a future may finish
+        # (and drop out) on any thread, also while the main lock is held.
+        self._pending: set[Future[object]] = set()
+        self._pending_lock = threading.Lock()
+        self._tracks: dict[str, Track] = {}
+        self._request: Future[object] | None = None  # the start request under way: one at a time
         self._approvals: collections.deque[float] = collections.deque()
         self._backoff = Backoff(base=2.0, cap=30.0)
         self._cap_logged = False
@@ -67,83 +115,115 @@ class Approver:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def replace_policy(self, policy: Policy, dry_run: bool = False) -> None:
-        """Decide by `policy` from the next poll on (SIGHUP). Hooks and POSTs already on the pool finish
-        as they began. `dry_run` is --dry-run, which a policy can add to but not take away."""
+        """Decide by `policy` from the next poll on (SIGHUP). Hooks and start requests already on the pool
+        finish as they began. `dry_run` is --dry-run, which a policy can add to but not take away."""
         with self._lock:
             self.policy = policy
             self.dry_run = dry_run or policy.dry_run
 
-    # --- called by the collector after every good poll -----------------------------------------
+    def stage(self, event_id: str) -> Stage | None:
+        """How far the approval of `event_id` got (None: not in the last document seen)."""
+        with self._lock:
+            track = self._tracks.get(event_id)
+            return track.stage if track is not None else None
+
+    def idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the hooks and start requests handed to the pool so far (none
+        of them hands on more work); True when all have finished."""
+        with self._pending_lock:
+            pending = set(self._pending)
+        return not wait(pending, timeout=timeout).not_done
+
+    def _submit(self, work: Callable[..., object], *args: object) -> Future[object]:
+        """Run `work(*args)` on the pool, keeping its future until it is done (see `idle`)."""
+        future = self._pool.submit(work, *args)
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[object]) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    # --- called by the poll loop after every good poll -----------------------------------------
     def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None:
         now = self.clock()
+        records: list[Record] = []
         with self._lock:
             for change in changes:
                 if change.kind is ChangeKind.REMOVED:
                     self._tracks.pop(change.event.event_id, None)
                     if change.outcome is Outcome.COMPLETED and change.event.affects(vm.name) and self.policy.recover:
-                        self._pool.submit(self._run_hooks, self.policy.recover, "recover", change.event, vm, None)
+                        self._submit(self._run_hooks, self.policy.recover, "recover", change.event, vm, None)
+            # One start request at a time: the answer to the one under way may change what to ask next.
+            busy = self._request is not None and not self._request.done()
             batch: list[tuple[Event, str]] = []
             for event in document.events:
-                track = self._tracks.setdefault(event.event_id, _Track(first_seen=now))
-                rule_name = self._consider(event, track, vm, now)
+                track = self._tracks.setdefault(event.event_id, Track(first_seen=now))
+                rule_name = self._consider(event, track, vm, now, busy)
                 if rule_name is not None:
                     batch.append((event, rule_name))
             batch = self._within_cap(batch, now)
-            if not batch:
-                return
-            if self.dry_run:
+            if batch and self.dry_run:
                 for event, _ in batch:
-                    self._tracks[event.event_id].dry_run_done = True
-                self._approved(batch, document.incarnation, vm, dry_run=True)
-            elif not self._posting:
-                self._posting = True
-                for event, _ in batch:
-                    self._tracks[event.event_id].attempts += 1
-                self._pool.submit(self._post, batch, document.incarnation, vm)
+                    self._tracks[event.event_id].move(Stage.DECIDED)
+                records = self._approved(batch, document.incarnation, vm, dry_run=True)
+            elif batch:
+                for event, rule_name in batch:
+                    track = self._tracks[event.event_id]
+                    if track.stage is not Stage.APPROVED:  # an approved one is only asked again
+                        track.move(Stage.STARTING)
+                        track.rule = rule_name
+                    track.attempts += 1
+                self._request = self._submit(self._start, batch, document.incarnation, vm)
+        # Outside the lock: the outbox may be slow (a disk) and the start request's thread needs the lock.
+        if records:
+            self.record(records)
 
-    def _say(self, track: _Track, event: Event, text: str, level: int = logging.INFO) -> None:
+    def _say(self, track: Track, event: Event, text: str, level: int = logging.INFO) -> None:
         if text != track.said:
             track.said = text
             log.log(level, "event %s (%s %s): %s", event.event_id, event.event_type, event.status, text)
 
-    def _consider(self, event: Event, track: _Track, vm: VmInfo, now: float) -> str | None:
-        """The rule to approve `event` under now, or None; starts prepare hooks on the way."""
+    def _consider(self, event: Event, track: Track, vm: VmInfo, now: float, busy: bool) -> str | None:
+        """The rule to start `event` by now, or None; starts prepare hooks on the way. `busy`: a start
+        request is under way, so none is made now (hooks still start, decisions are still logged)."""
         if event.status != "Scheduled":
-            if track.approved_at is not None:
+            if track.stage is Stage.APPROVED:
                 self._say(track, event, f"approval confirmed: {event.status}")
             return None
-        if track.dry_run_done:
+        if track.stage is Stage.APPROVED:
+            # Asking again sends a request: never in a dry run (a reload may have turned one on).
+            return None if busy or self.dry_run else self._recheck(event, track, now)
+        if track.stage not in _OPEN:
             return None
-        if track.approved_at is not None:
-            return self._recheck(event, track, now)
-        rule, _ = first_match(self.policy, event, vm.name, now)
+        decision = decide(self.policy, event, vm.name, now, track.first_seen)
+        rule = decision.rule
         prepares = rule is not None and rule.action == "approve" and bool(rule.prepare)
-        if prepares and event.affects(vm.name) and track.hooks == "none":
+        if prepares and event.affects(vm.name) and track.stage is Stage.WAITING:
             # Every affected VM prepares itself, leader or not: the leader's approval releases them all.
             assert rule is not None
-            track.hooks = "running"
+            track.move(Stage.PREPARING)
             self._say(track, event, f"rule {rule.name}: running {len(rule.prepare)} prepare hook(s)")
-            self._pool.submit(self._prepare, rule.prepare, event, vm, rule.name, track)
-        decision = decide(self.policy, event, vm.name, now, track.first_seen)
+            self._submit(self._prepare, rule, event, vm, track)
+            return None
         if decision.action != "approve":
             self._say(track, event, decision.reason)
             return None
         assert rule is not None
-        if rule.prepare:
-            if track.hooks == "running":
-                return None
-            if track.hooks == "failed" and rule.on_hook_failure == "hold":
-                self._say(track, event, f"rule {rule.name}: a prepare hook failed; holding", logging.WARNING)
-                return None
+        if rule.prepare and track.stage is Stage.HOOK_FAILED and rule.on_hook_failure == "hold":
+            self._say(track, event, f"rule {rule.name}: a prepare hook failed; holding", logging.WARNING)
+            return None
         if decision.earliest is not None and now < decision.earliest:
             self._say(track, event, f"{decision.reason}; not before "
                       f"{datetime.fromtimestamp(decision.earliest, tz=timezone.utc):%H:%M:%S}Z")
             return None
-        if now < track.next_attempt:
+        if busy or now < track.next_attempt:
             return None
         return rule.name
 
-    def _recheck(self, event: Event, track: _Track, now: float) -> str | None:
+    def _recheck(self, event: Event, track: Track, now: float) -> str | None:
         """An approved event still Scheduled: ask again after a while, while NotBefore is ahead."""
         assert track.approved_at is not None
         ahead = event.not_before is None or event.not_before.timestamp() > now
@@ -154,11 +234,13 @@ class Approver:
         return None
 
     def _within_cap(self, batch: list[tuple[Event, str]], now: float) -> list[tuple[Event, str]]:
+        """`batch` without the new approvals that would exceed max_approvals_per_hour (asking again for an
+        approved event is not a new approval)."""
         cap = self.policy.max_approvals_per_hour
-        retries = [item for item in batch if self._tracks[item[0].event_id].approved_at is not None]
-        fresh = [item for item in batch if self._tracks[item[0].event_id].approved_at is None]
         if cap is None:
             return batch
+        again = [item for item in batch if self._tracks[item[0].event_id].stage is Stage.APPROVED]
+        fresh = [item for item in batch if self._tracks[item[0].event_id].stage is not Stage.APPROVED]
         while self._approvals and self._approvals[0] <= now - 3600:
             self._approvals.popleft()
         room = max(0, cap - len(self._approvals))
@@ -170,7 +252,7 @@ class Approver:
         else:
             self._cap_logged = False
         self._approvals.extend([now] * len(fresh))
-        return fresh + retries
+        return fresh + again
 
     # --- work on the pool ----------------------------------------------------------------------
     def _run_hooks(self, hooks: Sequence[Hook], kind: str, event: Event, vm: VmInfo, rule: str | None) -> bool:
@@ -181,49 +263,52 @@ class Approver:
                 return False
         return True
 
-    def _prepare(self, hooks: Sequence[Hook], event: Event, vm: VmInfo, rule: str, track: _Track) -> None:
-        ok = self._run_hooks(hooks, "prepare", event, vm, rule)
+    def _prepare(self, rule: Rule, event: Event, vm: VmInfo, track: Track) -> None:
+        ok = self._run_hooks(rule.prepare, "prepare", event, vm, rule.name)
         with self._lock:
-            track.hooks = "success" if ok else "failed"
+            track.move(Stage.PREPARED if ok else Stage.HOOK_FAILED)
 
-    def _post(self, batch: list[tuple[Event, str]], incarnation: int, vm: VmInfo) -> None:
+    def _start(self, batch: list[tuple[Event, str]], incarnation: int, vm: VmInfo) -> None:
         ids = [event.event_id for event, _ in batch]
         try:
-            self.client.start_events(ids)
-        except ImdsError as exc:
-            now = self.clock()
+            self.starter.start(ids)
+        except StartError as exc:
             with self._lock:
-                self._posting = False
+                now = self.clock()
                 for event, _ in batch:
                     self.metrics.approvals.labels(event.event_type, "failed").inc()
                     track = self._tracks.get(event.event_id)
-                    if track is not None:
-                        track.next_attempt = now + self._backoff.delay(track.attempts - 1)
-                log.error("approval of %s failed (%s); will retry while the event is Scheduled and NotBefore "
-                          "is ahead", ", ".join(ids), exc)
+                    if track is None or track.stage not in (Stage.STARTING, Stage.APPROVED):
+                        continue  # left the document meanwhile (and may be back as a new event)
+                    if track.stage is Stage.STARTING:
+                        track.move(Stage.START_FAILED)
+                    track.next_attempt = now + self._backoff.delay(track.attempts - 1)
+            log.error("approval of %s failed (%s); will retry while the event is Scheduled and NotBefore "
+                      "is ahead", ", ".join(ids), exc)
             return
         with self._lock:
-            self._posting = False
             now = self.clock()
             fresh = []
             for event, rule in batch:
                 track = self._tracks.get(event.event_id)
-                if track is not None and track.approved_at is None:
+                if track is None or track.stage not in (Stage.STARTING, Stage.APPROVED):
+                    continue  # left the document meanwhile (and may be back as a new event)
+                if track.stage is Stage.STARTING:
+                    track.move(Stage.APPROVED)
                     fresh.append((event, rule))
-                if track is not None:
-                    track.approved_at = now
-                    track.rule = rule
-            self._approved(fresh, incarnation, vm, dry_run=False)
+                track.approved_at = now
+            records = self._approved(fresh, incarnation, vm, dry_run=False)
+        if records:
+            self.record(records)
 
-    def _approved(self, batch: list[tuple[Event, str]], incarnation: int, vm: VmInfo, dry_run: bool) -> None:
-        if not batch:
-            return
-        observed = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+    def _approved(self, batch: list[tuple[Event, str]], incarnation: int, vm: VmInfo,
+                  dry_run: bool) -> list[Record]:
+        """Count, log and build the records of the approvals in `batch` (the caller spools them)."""
+        at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
         records = []
         for event, rule in batch:
             self.metrics.approvals.labels(event.event_type, "dry_run" if dry_run else "approved").inc()
             log.warning("%s event %s (%s, NotBefore %s) by rule %s", "DRY RUN: would approve" if dry_run
                         else "approved", event.event_id, event.event_type, event.raw.get("NotBefore") or "-", rule)
-            change = Change(ChangeKind.APPROVED, event, incarnation)
-            records.append(to_record(change, vm, observed, extra={"policy_rule": rule, "dry_run": dry_run}))
-        self.record(records)
+            records.append(approval_record(event, vm, rule, dry_run, incarnation, at))
+        return records

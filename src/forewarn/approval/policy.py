@@ -139,14 +139,18 @@ class Policy:
 class Decision:
     """What the policy says about one event at one moment.
 
-    `action` is `approve` (send it, from `not_before_time` on, once hooks passed), `hold` (a rule or a
-    safety rule says no) or `wait` (approve later: outside a maintenance window, or another VM leads).
+    `action` is `approve` (send it, from `earliest` on, once hooks passed), `hold` (a rule or a safety
+    rule says no) or `wait` (approve later: outside a maintenance window). `rule` is the rule that
+    matched (None when none did), whatever the action: the approver runs its prepare hooks and names it
+    in the `approved` record, and `policy explain` prints it, so both show the same rule. `skipped` says
+    why each earlier rule did not match.
     """
 
     action: str
-    rule: str | None
+    rule: Rule | None
     reason: str
     earliest: float | None = None
+    skipped: tuple[str, ...] = ()
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -464,28 +468,30 @@ def in_window(policy: Policy, event_type: str, now: float) -> bool:
 
 def decide(policy: Policy, event: Event, vm_name: str | None, now: float, first_seen: float) -> Decision:
     """What to do with `event` at `now`, seen first at `first_seen`, as the VM `vm_name`."""
-    rule, _ = first_match(policy, event, vm_name, now)
+    rule, misses = first_match(policy, event, vm_name, now)
+    skipped = tuple(misses)
     if rule is None:
-        return Decision("hold", None, "no rule matched (events no rule matches are held)")
+        return Decision("hold", None, "no rule matched (events no rule matches are held)", skipped=skipped)
     if rule.action == "hold":
-        return Decision("hold", rule.name, f"rule {rule.name} holds it")
+        return Decision("hold", rule, f"rule {rule.name} holds it", skipped=skipped)
     if event.status != "Scheduled":
-        return Decision("hold", rule.name, f"already {event.status}: only Scheduled events can be approved")
+        return Decision("hold", rule, f"already {event.status}: only Scheduled events can be approved",
+                        skipped=skipped)
     if not event.affects(vm_name):
-        return Decision("hold", rule.name, "this VM is not in Resources; only an affected VM approves, since "
-                        "an approval releases the event for every VM it lists")
+        return Decision("hold", rule, "this VM is not in Resources; only an affected VM approves, since "
+                        "an approval releases the event for every VM it lists", skipped=skipped)
     earliest = first_seen + rule.delay
     position = event.resources.index(vm_name) if vm_name in event.resources else 0
     if policy.leader_mode == "first" and position != 0:
-        return Decision("hold", rule.name, f"leader mode first: {event.resources[0]} approves")
+        return Decision("hold", rule, f"leader mode first: {event.resources[0]} approves", skipped=skipped)
     if policy.leader_mode == "staggered" and position:
         earliest = max(earliest, first_seen + position * policy.stagger)
     if rule.approve_within is not None and event.not_before is not None:
         earliest = max(earliest, event.not_before.timestamp() - rule.approve_within)
     if not in_window(policy, event.event_type, now):
-        return Decision("wait", rule.name, "outside the maintenance windows", earliest)
+        return Decision("wait", rule, "outside the maintenance windows", earliest, skipped)
     reason = f"rule {rule.name} approves"
     if policy.leader_mode == "staggered" and position:
         wait = position * policy.stagger
         reason += f" (position {position} in Resources: if still Scheduled {wait:g} s after it appeared)"
-    return Decision("approve", rule.name, reason, earliest)
+    return Decision("approve", rule, reason, earliest, skipped)
