@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from forewarn import __version__
-from forewarn.imds.client import Backoff, ImdsClient, ImdsError, RateLimiter, with_retries
+from forewarn.imds.client import ImdsClient, ImdsError, RateLimiter
 from forewarn.imds.document import DocumentError
+from forewarn.retry import Backoff, with_retries
 
 from conftest import SimulatorHandle, wait_until
 

@@ -2,22 +2,26 @@
 
 The collector's HTTP server must keep answering Prometheus while a flood of slow connections sits on
 it, with a bounded number of threads, and must drop what never becomes a request within the read
-timeout. Subprocess tests run the real `forewarn run --simulate`; the rest use MetricsServer in-process.
+timeout. Subprocess tests run the real `forewarn run --simulate`; the rest use the HttpServer in-process,
+with the agent's endpoints or with handlers of their own (the simulator's needs: bodies, resets, hangs).
 """
 
 from __future__ import annotations
 
 import http.client
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
 
-from forewarn.web.server import MetricsServer
+from forewarn.web.endpoints import add_metrics_endpoints
+from forewarn.web.server import HttpServer, Request, Response
 
 from conftest import CollectorProcess, sample, wait_until
 
@@ -45,19 +49,27 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server sends something (or closes) within `seconds`: a check that it does NOT answer."""
+    return bool(select.select([sock], [], [], seconds)[0])
+
+
 def threads_of(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[..., MetricsServer]]:
-    started: list[MetricsServer] = []
+def serve() -> Iterator[Callable[..., HttpServer]]:
+    """Starts HttpServers on free loopback ports (with the given handlers by path) and stops them after."""
+    started: list[HttpServer] = []
 
-    def start(read_timeout: float = 10.0, max_connections: int = 4, max_request_bytes: int = 16384,
-              render: Callable[[str], tuple[bytes, str]] | None = None) -> MetricsServer:
-        web = MetricsServer("127.0.0.1", 0, render or (lambda accept: (b"metric 1\n", "text/plain")),
-                            lambda: (True, "ok"), read_timeout=read_timeout, max_connections=max_connections,
-                            max_request_bytes=max_request_bytes)
+    def start(routes: dict[str, Callable[[Request], Response]] | None = None,
+              setup: Callable[[HttpServer], None] | None = None, **limits: Any) -> HttpServer:
+        web = HttpServer("127.0.0.1", 0, **limits)
+        for path, handler in (routes or {}).items():
+            web.route(path, handler, methods=None)
+        if setup is not None:
+            setup(web)
         web.start()
         started.append(web)
         return web
@@ -67,7 +79,20 @@ def server() -> Iterator[Callable[..., MetricsServer]]:
         web.stop()
 
 
-def port_of(web: MetricsServer) -> int:
+@pytest.fixture
+def server(serve: Callable[..., HttpServer]) -> Callable[..., HttpServer]:
+    """An HttpServer with the agent's endpoints: /metrics answers `render`, /readyz is ready."""
+
+    def start(read_timeout: float = 10.0, max_connections: int = 4, max_request_bytes: int = 16384,
+              render: Callable[[str], tuple[bytes, str]] | None = None) -> HttpServer:
+        endpoints = render or (lambda accept: (b"metric 1\n", "text/plain"))
+        return serve(setup=lambda web: add_metrics_endpoints(web, endpoints, lambda: (True, "ok")),
+                    read_timeout=read_timeout, max_connections=max_connections, max_request_bytes=max_request_bytes)
+
+    return start
+
+
+def port_of(web: HttpServer) -> int:
     return int(web.server_address[1])
 
 
@@ -177,7 +202,7 @@ def test_a_flood_of_slow_connections_neither_starves_scrapes_nor_grows_threads(
 
 # --- in-process: what Prometheus and browsers rely on ------------------------------------------------
 
-def test_keep_alive_serves_several_requests_on_one_connection(server: Callable[..., MetricsServer]) -> None:
+def test_keep_alive_serves_several_requests_on_one_connection(server: Callable[..., HttpServer]) -> None:
     web = server()
     conn = http.client.HTTPConnection("127.0.0.1", port_of(web), timeout=5)
     for path, status, body in [("/metrics", 200, b"metric 1\n"), ("/nope", 404, b"not found\n"),
@@ -193,7 +218,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(server: Callable[.
     conn.close()
 
 
-def test_head_sends_the_length_without_a_body(server: Callable[..., MetricsServer]) -> None:
+def test_head_sends_the_length_without_a_body(server: Callable[..., HttpServer]) -> None:
     web = server()
     with connect(port_of(web), timeout=5) as sock:
         sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n"
@@ -204,7 +229,7 @@ def test_head_sends_the_length_without_a_body(server: Callable[..., MetricsServe
     assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"\r\n\r\nok\n"), "the pipelined request follows"
 
 
-def test_http_1_0_without_keep_alive_is_closed_after_the_reply(server: Callable[..., MetricsServer]) -> None:
+def test_http_1_0_without_keep_alive_is_closed_after_the_reply(server: Callable[..., HttpServer]) -> None:
     web = server()
     with connect(port_of(web), timeout=5) as sock:
         sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
@@ -212,7 +237,7 @@ def test_http_1_0_without_keep_alive_is_closed_after_the_reply(server: Callable[
     assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"ok\n")
 
 
-def test_a_malformed_request_line_gets_400(server: Callable[..., MetricsServer]) -> None:
+def test_a_malformed_request_line_gets_400(server: Callable[..., HttpServer]) -> None:
     web = server()
     with connect(port_of(web), timeout=5) as sock:
         sock.sendall(b"HELLO\r\n\r\n")
@@ -220,7 +245,7 @@ def test_a_malformed_request_line_gets_400(server: Callable[..., MetricsServer])
     assert reply.startswith(b"HTTP/1.1 400 ")
 
 
-def test_workers_are_bounded_and_taken_only_by_complete_requests(server: Callable[..., MetricsServer]) -> None:
+def test_workers_are_bounded_and_taken_only_by_complete_requests(server: Callable[..., HttpServer]) -> None:
     """Two workers, both busy rendering: a third scrape waits for one rather than getting a thread, and
     forty idle connections cost no thread at all."""
     release = threading.Event()
@@ -257,7 +282,7 @@ def test_workers_are_bounded_and_taken_only_by_complete_requests(server: Callabl
             sock.close()
 
 
-def test_stop_closes_open_connections_and_ends_its_threads(server: Callable[..., MetricsServer]) -> None:
+def test_stop_closes_open_connections_and_ends_its_threads(server: Callable[..., HttpServer]) -> None:
     before = threading.active_count()
     web = server()
     sock = connect(port_of(web), timeout=5)
@@ -267,3 +292,114 @@ def test_stop_closes_open_connections_and_ends_its_threads(server: Callable[...,
     assert read_until_closed(sock) == b""
     sock.close()
     wait_until(lambda: threading.active_count() <= before, timeout=5, message="the server's threads to end")
+
+
+# --- the helper's own interface: routes, methods, bodies, and answers that are no answer ------------
+
+def echo(request: Request) -> Response:
+    return Response(200, f"{request.method} {request.path} q={request.query('q')} ".encode() + request.body)
+
+
+def test_routes_by_path_and_prefix_and_the_methods_each_takes(serve: Callable[..., HttpServer]) -> None:
+    def setup(web: HttpServer) -> None:
+        web.route("/items", echo, methods=("GET",))
+        web.route("/items/", echo, methods=("DELETE",), prefix=True)
+        web.route("/items/special/", lambda request: Response(200, b"special\n"), prefix=True)
+
+    web = serve(setup=setup)
+    assert requests.get(web.url + "/items?q=1", timeout=5).text == "GET /items q=1 "
+    assert requests.delete(web.url + "/items/7", timeout=5).text == "DELETE /items/7 q=None "
+    assert requests.get(web.url + "/items/special/x", timeout=5).text == "special\n", "the longest prefix wins"
+    refused = requests.post(web.url + "/items", timeout=5)
+    assert (refused.status_code, refused.headers["Allow"], refused.text) == (405, "GET", "method not allowed\n")
+    assert requests.get(web.url + "/elsewhere", timeout=5).status_code == 404
+
+
+def test_the_agent_endpoints_take_no_other_method_and_no_body(server: Callable[..., HttpServer]) -> None:
+    web = server()
+    refused = requests.post(web.url + "/metrics", timeout=5)
+    assert refused.status_code == 405 and refused.headers["Allow"] == "GET, HEAD"
+    assert requests.post(web.url + "/metrics", data=b"x", timeout=5).status_code == 413
+
+
+def test_a_server_that_takes_bodies_gets_them_whole_even_when_they_trickle_in(
+        serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/echo": echo}, max_body_bytes=100, read_timeout=5)
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello")
+        assert not wait_readable(sock, 0.2), "no answer before the whole body is there"
+        sock.sendall(b" world")
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # pipelined after the body
+        reply = read_until_closed(sock)
+    first, _, second = reply.partition(b"HTTP/1.1 200 OK")[2].partition(b"HTTP/1.1 ")
+    assert first.endswith(b"\r\n\r\nPOST /echo q=None hello world") and second.endswith(b"GET /echo q=None ")
+
+
+@pytest.mark.parametrize(("framing", "status"), [
+    (b"Content-Length: 101\r\n", b"413"), (b"Transfer-Encoding: chunked\r\n", b"411"),
+    (b"Content-Length: ten\r\n", b"400"), (b"Content-Length: 1\r\nContent-Length: 2\r\n", b"400"),
+], ids=["too-large", "chunked", "not-a-number", "two-lengths"])
+def test_a_body_it_cannot_take_is_refused_before_any_handler_runs(
+        serve: Callable[..., HttpServer], framing: bytes, status: bytes) -> None:
+    called: list[Request] = []
+
+    def record(request: Request) -> Response:
+        called.append(request)
+        return echo(request)
+
+    web = serve({"/echo": record}, max_body_bytes=100)
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n0")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 " + status + b" ") and b"Connection: close" in reply, reply[:100]
+    assert called == []
+
+
+def test_a_body_that_never_completes_is_dropped_after_the_read_timeout(serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/echo": echo}, max_body_bytes=100, read_timeout=0.5)
+    with connect(port_of(web), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhalf")
+        assert read_until_closed(sock) == b""
+    assert 0.4 <= time.monotonic() - started < 3.0
+
+
+def test_a_reset_answer_resets_the_connection(serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/reset": lambda request: Response.reset()})
+    with pytest.raises(requests.ConnectionError):
+        requests.get(web.url + "/reset", timeout=5)
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"GET /reset HTTP/1.1\r\nHost: x\r\n\r\n")
+        with pytest.raises(ConnectionResetError):
+            sock.recv(1024)
+
+
+def test_a_hang_holds_the_request_unanswered_then_resets_and_stop_ends_it_early(
+        serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/short": lambda request: Response.hang(0.5), "/long": lambda request: Response.hang(60)})
+    started = time.monotonic()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(web.url + "/short", timeout=5)
+    assert 0.4 <= time.monotonic() - started < 3.0
+    sock = connect(port_of(web), timeout=5)
+    sock.sendall(b"GET /long HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert not wait_readable(sock, 0.3), "no answer while it hangs"
+    started = time.monotonic()
+    web.stop()
+    assert read_until_closed(sock) == b""
+    sock.close()
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_failing_handler_gets_500_and_the_server_goes_on(serve: Callable[..., HttpServer]) -> None:
+    def broken(request: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    web = serve({"/broken": broken, "/echo": echo})
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(web), timeout=5)
+    conn.request("GET", "/broken")
+    response = conn.getresponse()
+    assert (response.status, response.read()) == (500, b"internal server error\n")
+    conn.request("GET", "/echo")
+    assert conn.getresponse().read() == b"GET /echo q=None ", "the same connection goes on"
+    conn.close()

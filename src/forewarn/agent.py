@@ -24,7 +24,8 @@ from forewarn.outbox.store import DB_FILE, Store, StoreError
 from forewarn.poller import Poller
 from forewarn.signals import handle_signals
 from forewarn.sinks import Sink, SinkConfigError, build_sink
-from forewarn.web.server import MetricsServer, readiness_check
+from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
+from forewarn.web.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ def run_agent(settings: Settings) -> int:
 
     metrics = Metrics(api_version=settings.api_version)
     try:
-        server = MetricsServer(host, port, metrics.render,
-                               readiness_check(lambda: metrics.views.view.last_success, settings.ready_window),
-                               read_timeout=settings.web_read_timeout, max_connections=settings.web_max_connections,
-                               max_request_bytes=settings.web_max_request_bytes)
+        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout,
+                            max_connections=settings.web_max_connections,
+                            max_request_bytes=settings.web_max_request_bytes)
     except OSError as exc:
         raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
             from None
+    add_metrics_endpoints(server, metrics.render,
+                          readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
 
     store, writable = open_store(state_dir, [sink.name for sink in sinks], settings.outbox_max_records)
     stores = StoreRef(store)

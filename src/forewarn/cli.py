@@ -31,9 +31,10 @@ from forewarn.config import (
     redact_url,
     resolve,
 )
-from forewarn.imds.client import ImdsClient, ImdsError, with_retries
+from forewarn.imds.client import ImdsClient, ImdsError
 from forewarn.imds.document import API_VERSIONS, Document, DocumentError
 from forewarn.logs import setup_logging
+from forewarn.retry import with_retries
 
 log = logging.getLogger("forewarn")
 

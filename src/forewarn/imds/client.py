@@ -15,9 +15,7 @@ import errno
 import http.client
 import io
 import json
-import math
 import os
-import random
 import select
 import socket
 import ssl
@@ -31,6 +29,7 @@ from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
 from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
+from forewarn.retry import RetryableError, parse_retry_after
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents"
@@ -46,15 +45,13 @@ POLL_RESERVE = 1
 T = TypeVar("T")
 
 
-class ImdsError(Exception):
+class ImdsError(RetryableError):
     """A failed IMDS request. `code` is the HTTP status, or None for a transport failure."""
 
     def __init__(self, message: str, code: int | None = None, retryable: bool = False,
                  retry_after: float | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, retryable, retry_after)
         self.code = code
-        self.retryable = retryable
-        self.retry_after = retry_after
 
     @property
     def kind(self) -> str:
@@ -112,34 +109,12 @@ class RateLimiter:
                 raise Stopped()
 
 
-class Backoff:
-    """Capped exponential backoff with jitter: attempt n waits between half and all of base*2^n."""
-
-    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
-        self.base = base
-        self.cap = cap
-        self._rng = rng or random.Random()
-
-    def delay(self, attempt: int) -> float:
-        ceiling = min(self.cap, self.base * (2 ** min(attempt, 30)))
-        return self._rng.uniform(ceiling / 2, ceiling)
-
-
-def _parse_retry_after(value: str | None) -> float | None:
-    """Retry-After in seconds (the HTTP-date form is not used by IMDS and is ignored)."""
-    try:
-        seconds = float(value) if value else None
-    except ValueError:
-        return None
-    return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
-
-
 def _status_error(what: str, status: int, body: bytes, retry_after: str | None) -> ImdsError:
     """The error for a reply other than 200, with the start of its body (IMDS explains itself there)."""
     snippet = body[:200].decode("utf-8", "replace").strip()
     snippet = "".join(ch if ch.isprintable() else " " for ch in snippet)
     return ImdsError(f"{what}: HTTP {status}" + (f" ({snippet})" if snippet else ""), code=status,
-                     retryable=is_retryable_status(status), retry_after=_parse_retry_after(retry_after))
+                     retryable=is_retryable_status(status), retry_after=parse_retry_after(retry_after))
 
 
 class Stopped(ImdsError):
@@ -456,16 +431,3 @@ def _parse_compute_reply(body: bytes) -> VmInfo:
         raise DocumentError("instance metadata reply is not a JSON object")
     return parse_compute(data)
 
-
-def with_retries(call: Callable[[], T], attempts: int = 4, backoff: Backoff | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run `call`, retrying retryable ImdsErrors; for one-shot commands (`events`, `approve`)."""
-    backoff = backoff or Backoff(base=0.5, cap=5.0)
-    for attempt in range(attempts):
-        try:
-            return call()
-        except ImdsError as exc:
-            if not exc.retryable or attempt == attempts - 1:
-                raise
-            sleep(exc.retry_after if exc.retry_after is not None else backoff.delay(attempt))
-    raise AssertionError("unreachable")

@@ -8,23 +8,23 @@ StartRequests body. Admin endpoints (not part of IMDS) live under /admin:
     DELETE /admin/events/<id>       remove an event now
     POST /admin/faults              {"next": ["500", "reset"], "next_post": ["500"], "rates": {"429": 0.1},
                                      "latency": 0.2}
+
+It runs on the agent's HttpServer (web/server.py): each path is a handler, and a fault that is no answer
+at all (a reset, a request left hanging) is a Response action.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
-import struct
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from forewarn.imds.document import API_VERSIONS
 from forewarn.simulator.scenarios import ScenarioError
 from forewarn.simulator.timeline import FAULT_KINDS, Simulator
+from forewarn.web.server import HttpServer, Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -33,155 +33,150 @@ COMPUTE = "/metadata/instance/compute"
 COMPUTE_VERSIONS = ("2017-04-02", "2017-08-01", "2017-12-01", "2018-10-01", "2019-06-01", "2020-09-01",
                     "2021-01-01", "2021-02-01", "2021-05-01", "2021-12-13", "2023-07-01")
 
+#: An idle kept-alive connection is closed after this long: well past any poll interval drills use (a
+#: client that polls less often connects again, as it must with IMDS too).
+READ_TIMEOUT = 60.0
+#: Requests answered at once; a "timeout" fault or injected latency holds one for its duration.
+MAX_CONNECTIONS = 64
+#: StartRequests and admin bodies; a thousand event ids take about 50 kB.
+MAX_BODY_BYTES = 1 << 20
 
-class _Handler(BaseHTTPRequestHandler):
-    server: SimulatorServer
-    protocol_version = "HTTP/1.1"
-    server_version = "forewarn-imds-simulator"
-    disable_nagle_algorithm = True
+_INVALID = object()  # a body that is not JSON
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.client_address[0], *args)
 
-    # --- replies ------------------------------------------------------------------------------
-    def _send(self, code: int, body: Any, content_type: str = "application/json; charset=utf-8",
-              headers: dict[str, str] | None = None) -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
+def _json(code: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(code, json.dumps(body).encode(), "application/json; charset=utf-8", headers or {})
 
-    def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
-        self._send(code, {"error": message}, headers=headers)
 
-    def _reset(self) -> None:
-        # SO_LINGER with a zero timeout makes close() send RST: the client sees "connection reset".
-        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.close_connection = True
-        self.connection.close()
+def _error(code: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return _json(code, {"error": message}, headers)
+
+
+def _server_error(code: int) -> Response:
+    """The answers the HTTP server gives itself (404, 405, 500), in the simulator's JSON form."""
+    return _error(code, HTTPStatus(code).phrase.capitalize())
+
+
+def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(request.body) if request.body else None
+    except ValueError:
+        return _INVALID
+
+
+class SimulatorServer:
+    """The simulator on a real socket; `serve_in_background()` starts it, `stop()` ends it."""
+
+    #: How long a "timeout" fault leaves a request unanswered before resetting its connection.
+    timeout_fault_seconds = 5.0
+
+    def __init__(self, simulator: Simulator, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.simulator = simulator
+        self.http = HttpServer(host, port, read_timeout=READ_TIMEOUT, max_connections=MAX_CONNECTIONS,
+                               max_body_bytes=MAX_BODY_BYTES, name="imds-simulator",
+                               server_version="forewarn-imds-simulator", error=_server_error)
+        self.http.route(SCHEDULED_EVENTS, self._scheduled_events, methods=("GET", "POST"))
+        self.http.route(COMPUTE, self._compute, methods=("GET",))
+        for path in ("/", "/healthz"):
+            self.http.route(path, self._health, methods=("GET",))
+        self.http.route("/admin/state", lambda request: _json(200, self.simulator.state()), methods=("GET",))
+        self.http.route("/admin/events", self._inject, methods=("POST",))
+        self.http.route("/admin/events/", self._remove, methods=("DELETE",), prefix=True)
+        self.http.route("/admin/faults", self._set_faults, methods=("POST",))
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    @property
+    def server_address(self) -> tuple[Any, ...]:
+        return self.http.server_address
+
+    def serve_in_background(self) -> SimulatorServer:
+        self.http.start()
+        return self
+
+    def stop(self) -> None:
+        self.http.stop()
 
     # --- IMDS ---------------------------------------------------------------------------------
-    def _imds_checks(self, path: str, versions: tuple[str, ...]) -> str | None:
-        """Common IMDS request checks; returns the api-version, or None after answering an error."""
-        sim = self.server.simulator
-        if self.headers.get("Metadata", "").lower() != "true":
-            self._error(400, "Bad request. Required metadata header not specified")
-            return None
-        if self.headers.get("X-Forwarded-For") is not None:
-            self._error(400, "Bad request. Requests with X-Forwarded-For are rejected")
-            return None
-        query = parse_qs(urlsplit(self.path).query)
-        version = (query.get("api-version") or [""])[0]
+    def _imds_checks(self, request: Request, versions: tuple[str, ...]) -> str | Response:
+        """Common IMDS request checks: the api-version, or the error to answer."""
+        sim = self.simulator
+        if (request.headers.get("Metadata") or "").lower() != "true":
+            return _error(400, "Bad request. Required metadata header not specified")
+        if request.headers.get("X-Forwarded-For") is not None:
+            return _error(400, "Bad request. Requests with X-Forwarded-For are rejected")
+        version = request.query("api-version") or ""
         if version not in versions:
-            self._send(400, {"error": "Bad request. api-version is invalid or was not specified",
-                             "newest-versions": list(versions[::-1][:3])})
-            return None
-        if sim.over_rate(self.headers.get("User-Agent", "")):
-            self._error(429, "Too many requests", {"Retry-After": "1"})
-            return None
-        sim.requests[f"{self.command} {path}"] += 1
+            return _json(400, {"error": "Bad request. api-version is invalid or was not specified",
+                               "newest-versions": list(versions[::-1][:3])})
+        if sim.over_rate(request.headers.get("User-Agent") or ""):
+            return _error(429, "Too many requests", {"Retry-After": "1"})
+        sim.requests[f"{request.method} {request.path}"] += 1
         return version
 
-    def _apply_fault(self, is_first: bool, post: bool = False) -> bool:
-        """Inject the configured faults; True when the request has been answered (or dropped)."""
-        faults = self.server.simulator.faults
+    def _fault(self, is_first: bool, post: bool = False) -> Response | None:
+        """The injected fault for this request, if one is due (after any configured latency)."""
+        faults = self.simulator.faults
         if is_first and faults.slow_first:
             time.sleep(faults.slow_first)
         if faults.latency:
             time.sleep(faults.latency)
         kind = faults.draw(post)
         if kind is None:
-            return False
+            return None
         if kind == "reset":
-            self._reset()
-        elif kind == "timeout":
-            time.sleep(self.server.timeout_fault_seconds)
-            self._reset()
-        elif kind == "malformed":
-            self._send(200, b'{"DocumentIncarnation": 7, "Events": [{"EventId": ')
-        else:
-            code = int(kind)
-            retry = {"Retry-After": "1"} if code in (429, 503) else None
-            self._error(code, f"injected fault {code}", retry)
-        return True
+            return Response.reset()
+        if kind == "timeout":
+            return Response.hang(self.timeout_fault_seconds)
+        if kind == "malformed":
+            return Response(200, b'{"DocumentIncarnation": 7, "Events": [{"EventId": ',
+                            "application/json; charset=utf-8")
+        code = int(kind)
+        return _error(code, f"injected fault {code}", {"Retry-After": "1"} if code in (429, 503) else None)
 
-    def do_GET(self) -> None:
-        path = urlsplit(self.path).path
-        sim = self.server.simulator
-        if path == SCHEDULED_EVENTS:
-            version = self._imds_checks(path, API_VERSIONS)
-            if version is None or self._apply_fault(sim.first_request()):
-                return
-            self._send(200, sim.document(version))
-        elif path == COMPUTE:
-            if self._imds_checks(path, COMPUTE_VERSIONS) is not None:
-                self._send(200, sim.compute())
-        elif path == "/admin/state":
-            self._send(200, sim.state())
-        elif path in ("/", "/healthz"):
-            self._send(200, {"simulator": sim.scenario.name, "scenario_time": sim.now()})
-        else:
-            self._error(404, "Not found")
+    def _scheduled_events(self, request: Request) -> Response:
+        sim = self.simulator
+        version = self._imds_checks(request, API_VERSIONS)
+        if isinstance(version, Response):
+            return version
+        if request.method == "GET":
+            return self._fault(sim.first_request()) or _json(200, sim.document(version))
+        fault = self._fault(False, post=True)
+        if fault is not None:
+            return fault
+        ids = _start_request_ids(_json_body(request))
+        if ids is None:
+            return _error(400, "Bad request. Body must be {\"StartRequests\": [{\"EventId\": \"...\"}]}")
+        sim.approve(ids, caller=request.headers.get("User-Agent") or "")
+        return Response(200, b"", "text/plain")
 
-    def _json_body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        return json.loads(raw) if raw else None
+    def _compute(self, request: Request) -> Response:
+        checked = self._imds_checks(request, COMPUTE_VERSIONS)
+        return checked if isinstance(checked, Response) else _json(200, self.simulator.compute())
 
-    def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        sim = self.server.simulator
+    # --- admin --------------------------------------------------------------------------------
+    def _health(self, request: Request) -> Response:
+        return _json(200, {"simulator": self.simulator.scenario.name, "scenario_time": self.simulator.now()})
+
+    def _inject(self, request: Request) -> Response:
+        body = _json_body(request)
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object with scenario event fields")
         try:
-            body = self._json_body()
-        except ValueError:
-            body = ValueError
-        if path == SCHEDULED_EVENTS:
-            if self._imds_checks(path, API_VERSIONS) is None or self._apply_fault(False, post=True):
-                return
-            ids = _start_request_ids(body)
-            if ids is None:
-                self._error(400, "Bad request. Body must be {\"StartRequests\": [{\"EventId\": \"...\"}]}")
-                return
-            sim.approve(ids, caller=self.headers.get("User-Agent", ""))
-            self._send(200, b"", content_type="text/plain")
-        elif path == "/admin/events":
-            if not isinstance(body, dict):
-                self._error(400, "body must be a JSON object with scenario event fields")
-                return
-            try:
-                event_id = sim.inject(body)
-            except (ScenarioError, ValueError, TypeError) as exc:
-                self._error(400, str(exc))
-                return
-            self._send(201, {"EventId": event_id})
-        elif path == "/admin/faults":
-            problem = _apply_fault_settings(sim, body)
-            if problem:
-                self._error(400, problem)
-            else:
-                self._send(200, {"ok": True})
-        elif path == COMPUTE:
-            self._error(405, "Method not allowed")
-        else:
-            self._error(404, "Not found")
+            event_id = self.simulator.inject(body)
+        except (ScenarioError, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        return _json(201, {"EventId": event_id})
 
-    def do_DELETE(self) -> None:
-        path = urlsplit(self.path).path
-        prefix = "/admin/events/"
-        if path.startswith(prefix):
-            found = self.server.simulator.remove(path[len(prefix):])
-            self._send(200 if found else 404, {"removed": found})
-        elif path in (SCHEDULED_EVENTS, COMPUTE):
-            self._error(405, "Method not allowed")
-        else:
-            self._error(404, "Not found")
+    def _remove(self, request: Request) -> Response:
+        found = self.simulator.remove(request.path[len("/admin/events/"):])
+        return _json(200 if found else 404, {"removed": found})
 
-    def do_PUT(self) -> None:
-        self._error(405, "Method not allowed")
+    def _set_faults(self, request: Request) -> Response:
+        problem = _apply_fault_settings(self.simulator, _json_body(request))
+        return _error(400, problem) if problem else _json(200, {"ok": True})
 
 
 def _start_request_ids(body: Any) -> list[str] | None:
@@ -218,33 +213,3 @@ def _apply_fault_settings(sim: Simulator, body: Any) -> str | None:
         faults.rates = {}
         faults.latency = 0.0
     return None
-
-
-class SimulatorServer(ThreadingHTTPServer):
-    """The simulator on a real socket; `serve_in_background()` for in-process use."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    timeout_fault_seconds = 5.0
-
-    def __init__(self, simulator: Simulator, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.simulator = simulator
-        super().__init__((host, port), _Handler)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        shown = host.decode() if isinstance(host, bytes) else str(host)
-        shown = "127.0.0.1" if shown == "0.0.0.0" else shown  # noqa: S104
-        return f"http://{shown}:{port}"
-
-    def serve_in_background(self) -> SimulatorServer:
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="imds-simulator", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()

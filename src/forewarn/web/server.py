@@ -1,34 +1,40 @@
-"""The collector's HTTP endpoints: /metrics, /healthz (alive), /readyz (a good poll lately).
+"""HttpServer: the one background HTTP server, with handlers registered by path and hardened limits.
 
-One acceptor thread owns every connection while it is waiting for a request: it accepts, reads request
-heads without blocking, and drops a connection whose head has not fully arrived within the read timeout
+The agent's endpoints (web/endpoints.py) and the IMDS simulator both run on it. A handler takes a Request
+(the whole request: head and body) and returns a Response; a Response can also be an action instead of an
+answer: reset the connection, or hold it unanswered for a while (the simulator's faults).
+
+One acceptor thread owns every connection while it is waiting for a request: it accepts, reads requests
+without blocking, and drops a connection whose request has not fully arrived within the read timeout
 (counted from the connection's start, or from its previous reply, not reset by each byte). Only a
-complete head is handed to the bounded worker pool. A flood of silent or trickling clients therefore
+complete request is handed to the bounded worker pool. A flood of silent or trickling clients therefore
 costs file descriptors, never threads, and cannot keep a worker from the next Prometheus scrape.
+Connections are kept alive (HTTP/1.1, or HTTP/1.0 with `Connection: keep-alive`) and pipelining works.
+
+TLS and authentication belong here too, in one place for every endpoint: TLS around the accepted socket
+(its handshake under the same read deadline), authentication in `_dispatch` before the handler.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import email.message
 import io
 import logging
 import selectors
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger(__name__)
-
-_LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
-<h1>forewarn</h1><p>Azure Scheduled Events exporter.</p>
-<ul><li><a href="metrics">metrics</a></li><li><a href="healthz">healthz</a></li>
-<li><a href="readyz">readyz</a></li></ul></body></html>
-"""
 
 #: Connections waiting for a request at once; past this the oldest is dropped, so a flood can use up
 #: neither the descriptor limit (often 1024) nor the room for new scrapers.
@@ -39,69 +45,125 @@ LINGER_SECONDS = 1.0
 _READ_CHUNK = 65536
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """Answers one request head that the acceptor has read completely; the reply is built in memory and
-    sent by the worker in one write."""
+@dataclass(frozen=True)
+class Request:
+    """One complete request. `target` is the path and query as sent; `body` is empty unless the server
+    takes bodies (max_body_bytes) and the request had one."""
+
+    method: str
+    target: str
+    headers: email.message.Message
+    body: bytes
+    client: tuple[Any, ...]
+
+    @property
+    def path(self) -> str:
+        return urlsplit(self.target).path
+
+    def query(self, name: str) -> str | None:
+        """The first value of a query parameter, or None."""
+        values = parse_qs(urlsplit(self.target).query).get(name)
+        return values[0] if values else None
+
+
+@dataclass(frozen=True)
+class Response:
+    """What a handler returns: an answer (status, body, headers), or with `action` something lower-level:
+    "reset" closes the connection with a TCP reset and no answer; "hang" holds it unanswered for `hold`
+    seconds (less when the server stops) and then resets it. A HEAD request gets the headers alone."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "text/plain; charset=utf-8"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    action: Literal["answer", "reset", "hang"] = "answer"
+    hold: float = 0.0
+
+    @classmethod
+    def reset(cls) -> Response:
+        return cls(0, action="reset")
+
+    @classmethod
+    def hang(cls, seconds: float) -> Response:
+        return cls(0, action="hang", hold=seconds)
+
+
+Handler = Callable[[Request], Response]
+
+
+def plain_error(status: int) -> Response:
+    """The default answer for the errors the server gives itself: "not found", "method not allowed"..."""
+    return Response(status, f"{HTTPStatus(status).phrase.lower()}\n".encode())
+
+
+@dataclass(frozen=True)
+class _Route:
+    handler: Handler
+    methods: frozenset[str] | None  # None: the handler takes every method
+
+
+class _Exchange(BaseHTTPRequestHandler):
+    """Parses one request that the acceptor has read completely, dispatches it and builds the reply in
+    memory; the worker sends it in one write. BaseHTTPRequestHandler does the parsing and the HTTP
+    details (400 for a malformed request line, HTTP/1.0 and keep-alive, the Date and Server headers)."""
 
     protocol_version = "HTTP/1.1"
-    server_version = "forewarn"
     # A malformed request line would otherwise get an HTTP/0.9 reply: a body without status or headers.
     default_request_version = "HTTP/1.0"
 
-    def __init__(self, head: bytes, client_address: Any, web: MetricsServer) -> None:
+    def __init__(self, head: bytes, body: bytes, client_address: Any, http: HttpServer) -> None:
         # Deliberately not BaseRequestHandler.__init__, which would read from and serve a socket itself.
         self.rfile = io.BytesIO(head)
         self.reply = io.BytesIO()
         self.wfile = self.reply
+        self.body = body
         self.client_address = client_address
-        self.web = web
+        self.http = http
+        self.server_version = http.server_version
         self.close_connection = True
+        self.action: Response | None = None  # a reset or a hang instead of an answer
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
 
     def handle_expect_100(self) -> bool:
-        # No endpoint takes a body: never invite one with "100 Continue".
+        # The acceptor has read the whole request before it gets here: a "100 Continue" would come late.
         return True
 
-    def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
+    def run(self) -> None:
+        self.raw_requestline = self.rfile.readline()
+        if not self.parse_request():  # it has answered the error itself (or there was no request line)
+            return
+        request = Request(self.command, self.path, self.headers, self.body, self.client_address)
+        try:
+            response = self.http._dispatch(request)
+        except Exception:
+            log.exception("web: %s %s from %s failed", self.command, request.path, self.client_address[0])
+            response = self.http.error(500)
+        if response.action != "answer":
+            self.action = response
+            self.close_connection = True
+            return
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        for name, value in response.headers.items():
+            self.send_header(name, value)
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0").strip() != "0":
-            # The body was never read, so the connection cannot be reused; send_error closes it.
-            self.send_error(413, "requests to these endpoints have no body")
-            return
-        path = urlsplit(self.path).path
-        if path == "/metrics":
-            body, content_type = self.web.render(self.headers.get("Accept", ""))
-            self._send(200, body, content_type)
-        elif path == "/healthz":
-            self._send(200, b"ok\n")
-        elif path == "/readyz":
-            ready, reason = self.web.readiness()
-            self._send(200 if ready else 503, (reason + "\n").encode())
-        elif path == "/":
-            self._send(200, _LANDING, "text/html; charset=utf-8")
-        else:
-            self._send(404, b"not found\n")
-
-    do_HEAD = do_GET
+            self.wfile.write(response.body)
 
 
 class _Connection:
-    __slots__ = ("address", "buffer", "deadline", "scanned", "sock")
+    __slots__ = ("address", "buffer", "deadline", "head_length", "need", "scanned", "sock")
 
     def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
         self.sock = sock
         self.address = address
         self.buffer = bytearray()
         self.scanned = 0  # where the search for the end of the head resumes
+        self.head_length = 0  # once the head is complete: its length,
+        self.need = 0  # and the length of head and body together
         self.deadline = deadline
 
     def close(self) -> None:
@@ -121,28 +183,72 @@ def _head_end(conn: _Connection) -> int | None:
     return i + (3 if conn.buffer.startswith(b"\n\r\n", i) else 2)
 
 
+def _body_length(head: bytes, limit: int) -> int | tuple[int, str]:
+    """The length of the body that follows `head`, or the refusal (status, reason) for its framing.
+    Only Content-Length framing is taken, up to `limit` bytes; with a limit of 0, any body is refused."""
+    lengths = set()
+    chunked = False
+    for line in head.split(b"\n")[1:]:
+        name, colon, value = line.partition(b":")
+        if colon:
+            name = name.strip().lower()
+            if name == b"content-length":
+                lengths.add(value.strip())
+            elif name == b"transfer-encoding":
+                chunked = True
+    if limit == 0 and (chunked or lengths - {b"0"}):
+        return 413, "Content Too Large"
+    if chunked:
+        return 411, "Length Required"
+    if not lengths:
+        return 0
+    length = lengths.pop() if len(lengths) == 1 else b""  # two different lengths: which one is true?
+    if not length.isdigit():
+        return 400, "Bad Request"
+    if int(length) > limit:
+        return 413, "Content Too Large"
+    return int(length)
+
+
 def _refusal(code: int, reason: str) -> bytes:
     body = f"{code} {reason}\n".encode()
     return (f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
-class MetricsServer:
-    """The one background HTTP server: a selector-driven acceptor and at most `max_connections` worker
-    threads, started as requests need them and kept."""
+def _reset(sock: socket.socket) -> None:
+    # SO_LINGER with a zero timeout makes close() send RST: the client sees "connection reset".
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+class HttpServer:
+    """A background HTTP server: handlers registered by path with `route`, a selector-driven acceptor and
+    at most `max_connections` worker threads, started as requests need them and kept.
+
+    Limits: a request must arrive completely within `read_timeout` seconds; its head may have at most
+    `max_request_bytes` (414 for a longer request line, 431 for longer headers); a body is refused (413)
+    unless `max_body_bytes` allows it, and then it needs a Content-Length (411 otherwise). `error` builds
+    the answers the server gives itself (404, 405, 500).
+    """
 
     # socketserver's default backlog is 5: a burst of scrapers connecting at once (many Prometheus
     # replicas, a restart of the monitoring stack) overflowed it and waited 1-3 s for TCP retries.
     request_queue_size = 128
 
-    def __init__(self, host: str, port: int, render: Callable[[str], tuple[bytes, str]],
-                 readiness: Callable[[], tuple[bool, str]], read_timeout: float = 10.0,
-                 max_connections: int = 16, max_request_bytes: int = 16384) -> None:
-        self.render = render
-        self.readiness = readiness
+    def __init__(self, host: str, port: int, *, read_timeout: float = 10.0, max_connections: int = 16,
+                 max_request_bytes: int = 16384, max_body_bytes: int = 0, name: str = "http",
+                 server_version: str = "forewarn", error: Callable[[int], Response] = plain_error) -> None:
         self.read_timeout = read_timeout
         self.max_connections = max_connections
         self.max_request_bytes = max_request_bytes
+        self.max_body_bytes = max_body_bytes
+        self.name = name
+        self.server_version = server_version
+        self.error = error
+        self._routes: dict[str, _Route] = {}
+        self._prefixes: list[tuple[str, _Route]] = []  # the longest prefix first
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -160,7 +266,7 @@ class MetricsServer:
         self._waiting: dict[_Connection, None] = {}    # in deadline order: the oldest first
         self._lingering: dict[_Connection, None] = {}  # refused, read and discarded until closed
         self._returned: collections.deque[_Connection] = collections.deque()  # kept alive, back from workers
-        self._jobs: collections.deque[tuple[_Connection, bytes]] = collections.deque()
+        self._jobs: collections.deque[tuple[_Connection, bytes, bytes]] = collections.deque()
         self._busy: set[_Connection] = set()
         self._pool = threading.Condition()
         self._idle_workers = 0
@@ -168,6 +274,29 @@ class MetricsServer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
+    # --- the handlers ------------------------------------------------------------------------------
+    def route(self, path: str, handler: Handler, methods: Collection[str] | None = ("GET", "HEAD"),
+              prefix: bool = False) -> None:
+        """Send requests for `path` (or, with `prefix`, every path starting with it) to `handler`; other
+        methods than `methods` get 405 (None: the handler takes every method). Register before `start`."""
+        entry = _Route(handler, frozenset(methods) if methods is not None else None)
+        if prefix:
+            self._prefixes = sorted([*self._prefixes, (path, entry)], key=lambda item: -len(item[0]))
+        else:
+            self._routes[path] = entry
+
+    def _dispatch(self, request: Request) -> Response:
+        path = request.path
+        entry = self._routes.get(path) or next((r for p, r in self._prefixes if path.startswith(p)), None)
+        if entry is None:
+            return self.error(404)
+        if entry.methods is not None and request.method not in entry.methods:
+            refused = self.error(405)
+            return Response(refused.status, refused.body, refused.content_type,
+                            {**refused.headers, "Allow": ", ".join(sorted(entry.methods))})
+        return entry.handler(request)
+
+    # --- start and stop ----------------------------------------------------------------------------
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
@@ -177,12 +306,13 @@ class MetricsServer:
         return f"http://{shown}:{port}"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._accept_loop, name="metrics-http", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=self.name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Stop accepting, close every connection (a worker blocked on a client that does not read its
-        reply is woken by the shutdown) and end the threads."""
+        reply is woken by the shutdown, one holding a connection unanswered is woken too) and end the
+        threads."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -194,7 +324,7 @@ class MetricsServer:
             self._jobs.clear()
             busy = list(self._busy)
             self._pool.notify_all()
-        for conn, _ in jobs:
+        for conn, _, _ in jobs:
             conn.close()
         for conn in busy:
             with contextlib.suppress(OSError):
@@ -288,24 +418,35 @@ class MetricsServer:
             self._check(conn)
 
     def _check(self, conn: _Connection) -> None:
-        end = _head_end(conn)
-        limit = self.max_request_bytes
-        if end is not None and end <= limit:
-            head = bytes(conn.buffer[:end])
-            del conn.buffer[:end]
-            conn.scanned = 0
-            self._selector.unregister(conn.sock)
-            del self._waiting[conn]
-            self._submit(conn, head)
-        elif end is not None or len(conn.buffer) > limit:
-            line_end = conn.buffer.find(b"\n")
-            if line_end < 0 or line_end >= limit:
-                self._refuse(conn, 414, "URI Too Long")
-            else:
-                self._refuse(conn, 431, "Request Header Fields Too Large")
+        """Hand the request to a worker once it is complete; refuse one that cannot be taken."""
+        if not conn.need:
+            end = _head_end(conn)
+            limit = self.max_request_bytes
+            if end is None or end > limit:
+                if end is None and len(conn.buffer) <= limit:
+                    return
+                line_end = conn.buffer.find(b"\n")
+                if line_end < 0 or line_end >= limit:
+                    self._refuse(conn, 414, "URI Too Long")
+                else:
+                    self._refuse(conn, 431, "Request Header Fields Too Large")
+                return
+            body = _body_length(bytes(conn.buffer[:end]), self.max_body_bytes)
+            if isinstance(body, tuple):
+                self._refuse(conn, *body)
+                return
+            conn.head_length, conn.need = end, end + body
+        if len(conn.buffer) < conn.need:
+            return
+        head, body_bytes = bytes(conn.buffer[:conn.head_length]), bytes(conn.buffer[conn.head_length:conn.need])
+        del conn.buffer[:conn.need]
+        conn.scanned = conn.head_length = conn.need = 0
+        self._selector.unregister(conn.sock)
+        del self._waiting[conn]
+        self._submit(conn, head, body_bytes)
 
     def _refuse(self, conn: _Connection, code: int, reason: str) -> None:
-        log.debug("%s: refused with %d (request head over %d bytes)", conn.address[0], code, self.max_request_bytes)
+        log.debug("%s: refused with %d %s", conn.address[0], code, reason)
         try:
             conn.sock.send(_refusal(code, reason))  # small enough for any socket buffer
             conn.sock.shutdown(socket.SHUT_WR)
@@ -333,11 +474,11 @@ class MetricsServer:
                 self._drop(conn)
 
     # --- the workers -----------------------------------------------------------------------------
-    def _submit(self, conn: _Connection, head: bytes) -> None:
+    def _submit(self, conn: _Connection, head: bytes, body: bytes) -> None:
         with self._pool:
-            self._jobs.append((conn, head))
+            self._jobs.append((conn, head, body))
             if len(self._jobs) > self._idle_workers and len(self._workers) < self.max_connections:
-                worker = threading.Thread(target=self._work, name=f"metrics-http-{len(self._workers) + 1}",
+                worker = threading.Thread(target=self._work, name=f"{self.name}-{len(self._workers) + 1}",
                                           daemon=True)
                 self._workers.append(worker)
                 worker.start()
@@ -353,11 +494,11 @@ class MetricsServer:
                     self._idle_workers -= 1
                 if self._stopping.is_set():
                     return
-                conn, head = self._jobs.popleft()
+                conn, head, body = self._jobs.popleft()
                 self._busy.add(conn)
             keep = False
             try:
-                keep = self._answer(conn, head)
+                keep = self._answer(conn, head, body)
             except OSError as exc:
                 log.debug("%s: connection lost while answering: %s", conn.address[0], exc)
             except Exception:
@@ -372,26 +513,18 @@ class MetricsServer:
             else:
                 conn.close()
 
-    def _answer(self, conn: _Connection, head: bytes) -> bool:
+    def _answer(self, conn: _Connection, head: bytes, body: bytes) -> bool:
         """Answer one request; True when the connection stays open for the next."""
-        handler = _Handler(head, conn.address, self)
-        handler.handle_one_request()
+        exchange = _Exchange(head, body, conn.address, self)
+        exchange.run()
+        if exchange.action is not None:
+            if exchange.action.action == "hang":
+                self._stopping.wait(exchange.action.hold)
+            _reset(conn.sock)
+            return False
         # A client that does not read its reply holds this worker for at most the read timeout (the
         # timeout bounds the whole sendall); the kernel's send buffer usually takes the reply at once.
         conn.sock.settimeout(self.read_timeout)
-        conn.sock.sendall(handler.reply.getvalue())
+        conn.sock.sendall(exchange.reply.getvalue())
         conn.sock.setblocking(False)
-        return not handler.close_connection
-
-
-def readiness_check(last_success: Callable[[], float | None], window: float,
-                    clock: Callable[[], float] = time.time) -> Callable[[], tuple[bool, str]]:
-    def check() -> tuple[bool, str]:
-        last = last_success()
-        if last is None:
-            return False, "no successful IMDS poll yet"
-        age = clock() - last
-        if age > window:
-            return False, f"last successful IMDS poll {age:.0f} s ago (window {window:g} s)"
-        return True, "ok"
-    return check
+        return not exchange.close_connection
