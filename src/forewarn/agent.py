@@ -19,44 +19,26 @@ from forewarn.approval.policy import PolicyError, load_policy
 from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
-from forewarn.outbox.delivery import DeliveryWorker, StoreRef, close_sinks, stop_workers
-from forewarn.outbox.store import DB_FILE, Store, StoreError
-from forewarn.poller import Poller
-from forewarn.signals import handle_signals
-from forewarn.sinks import Sink, SinkConfigError, build_sink
+from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
+from forewarn.outbox.outbox import Outbox
+from forewarn.poller import OutboxMetrics, Poller
+from forewarn.records import Record
+from forewarn.signals import handle_signals, ignore_stop_signals
+from forewarn.sinks import build_sinks
 from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
 
 log = logging.getLogger(__name__)
 
 
-def open_store(state_dir: Path | None, sinks: Sequence[str], max_records: int) -> tuple[Store, bool]:
-    """The disk store, or an in-memory one (and False) when the state dir cannot be used."""
-    if state_dir is not None:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            return Store(state_dir / DB_FILE, sinks, max_records), True
-        except (OSError, StoreError) as exc:
-            log.error("state dir %s is unusable (%s); holding state and records in memory until it is",
-                      state_dir, exc)
-    return Store(None, sinks, max_records), state_dir is None
-
-
-def build_sinks(specs: Sequence[str], options: Settings | None = None) -> list[Sink]:
-    sinks: list[Sink] = []
-    for spec in specs:
-        try:
-            sinks.append(build_sink(spec, options.values if options is not None else None))
-        except SinkConfigError as exc:
-            raise ConfigError(str(exc)) from None
-    names = [sink.name for sink in sinks]
-    if len(set(names)) != len(names):
-        raise ConfigError("--sink: the same sink is given twice")
-    return sinks
-
-
 def run_agent(settings: Settings) -> int:
     """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
+    # Signals first: a SIGTERM while the parts are being built (a slow sink, a first IMDS call) stops cleanly.
+    stop = threading.Event()
+    metrics = Metrics(api_version=settings.api_version)
+    reloadable: list[Approver | None] = []
+    handle_signals(stop, reload=lambda: reload_policy(settings, reloadable[0] if reloadable else None,
+                                                      metrics))
     sinks = build_sinks(settings.sink, settings)
     host, port = parse_listen_address(settings.listen_address)
     simulator_server = None
@@ -81,7 +63,6 @@ def run_agent(settings: Settings) -> int:
 
         endpoint = discover_endpoint()
 
-    metrics = Metrics(api_version=settings.api_version)
     try:
         server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout,
                             max_connections=settings.web_max_connections,
@@ -92,10 +73,8 @@ def run_agent(settings: Settings) -> int:
     add_metrics_endpoints(server, metrics.render,
                           readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
 
-    store, writable = open_store(state_dir, [sink.name for sink in sinks], settings.outbox_max_records)
-    stores = StoreRef(store)
-    stop = threading.Event()
-    workers = [DeliveryWorker(sink, stores, metrics) for sink in sinks]
+    outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records, OutboxMetrics(metrics))
+    workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
 
@@ -105,14 +84,13 @@ def run_agent(settings: Settings) -> int:
 
     client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe,
                         max_reply_bytes=settings.imds_max_reply_bytes)
-    collector = Poller(client, metrics, store, state_dir, workers, stores=stores, vm_name=settings.vm_name,
-                          poll_interval=settings.poll_interval, max_backoff=settings.imds_max_backoff,
-                          compute_refresh=settings.compute_refresh, store_writable=writable)
+    collector = Poller(client, metrics, outbox, vm_name=settings.vm_name, poll_interval=settings.poll_interval,
+                       max_backoff=settings.imds_max_backoff, compute_refresh=settings.compute_refresh)
     approver = build_approver(settings, collector, client, metrics)
     if approver is not None:
         collector.listeners.append(approver)
 
-    handle_signals(stop, reload=lambda: reload_policy(settings, approver, metrics))
+    reloadable.append(approver)
     server.start()
     for worker in workers:
         worker.start()
@@ -131,6 +109,7 @@ def run_agent(settings: Settings) -> int:
             log.warning("sink %s did not close within 1 s; leaving it", name)
         if approver is not None:
             approver.close()
+        outbox.close()
         server.stop()
         client.close()
         if simulator_server is not None:
@@ -138,6 +117,7 @@ def run_agent(settings: Settings) -> int:
         if scratch is not None:
             scratch.cleanup()
         log.info("stopped")
+        ignore_stop_signals()
     return 0
 
 
@@ -151,7 +131,13 @@ def build_approver(settings: Settings, collector: Poller, client: ImdsClient, me
         policy = load_policy(settings.policy)
     except PolicyError as exc:
         raise ConfigError(f"--policy {exc}") from None
-    approver = Approver(policy, client, metrics, collector.spool, dry_run=settings.dry_run)
+    from forewarn.approval.starter import ImdsStarter
+
+    def record(records: Sequence[Record]) -> None:
+        # Without a document: only the poll loop moves the saved state forward, with its own records.
+        collector.outbox.append(records)
+
+    approver = Approver(policy, ImdsStarter(client), metrics, record, dry_run=settings.dry_run)
     metrics.policy_reload_time.set(time.time())
     log.info("approval policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
              policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")

@@ -243,7 +243,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from forewarn.approval.policy import PolicyError, decide, first_match, load_policy
+    from forewarn.approval.policy import PolicyError, decide, load_policy
 
     if args.policy_command is None:
         raise ConfigError("policy needs a subcommand: check or explain")
@@ -287,11 +287,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
     print(f"policy {args.file}, VM {vm_name or '(unknown: pass --vm-name)'}, incarnation {document.incarnation}, "
           f"{len(document.events)} event(s)")
     for event in document.events:
-        rule, misses = first_match(policy, event, vm_name, now)
         decision = decide(policy, event, vm_name, now, now)
+        rule = decision.rule  # the rule the approver would name in its record
         print(f"\n{event.event_id}  {event.event_type} {event.status} source={event.source or '-'} "
               f"resources={','.join(event.resources) or '-'}")
-        for miss in misses:
+        for miss in decision.skipped:
             print(f"  skipped  {miss}")
         print(f"  matched  {rule.name if rule else '(no rule)'}")
         print(f"  decision {decision.action.upper()}: {decision.reason}")
@@ -302,7 +302,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from forewarn.signals import handle_signals
+    from forewarn.signals import handle_signals, ignore_stop_signals
     from forewarn.simulator import SCENARIOS, start_simulator
 
     if args.list:
@@ -325,6 +325,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
              server.simulator.scenario.name, args.speed, server.url)
     stop.wait()
     server.stop()
+    ignore_stop_signals()
     return 0
 
 
