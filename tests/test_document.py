@@ -192,3 +192,17 @@ def test_fields_read_as_unknown_are_left_out_of_the_event_as_records_carry_it() 
 def test_years_below_100_are_not_read_as_two_digit_years(text: str) -> None:
     with pytest.raises(ValueError, match="outside the range"):
         parse_not_before(text)
+
+
+def test_a_reply_full_of_bad_values_gives_a_few_warnings_not_thousands() -> None:
+    events = [_event(EventId=f"E{i}", DurationInSeconds="soon", Description=[1]) for i in range(300)]
+    document = parse_document(json.dumps({"DocumentIncarnation": 1, "Events": events}).encode())
+    assert len(document.events) == 300
+    assert len(document.warnings) == 21 and document.warnings[-1] == "... and 580 more problems in this reply"
+
+
+def test_very_long_strings_are_clipped_with_a_warning() -> None:
+    document = parse_document(json.dumps({"DocumentIncarnation": 1,
+                                          "Events": [_event(Description="x" * 1_000_000)]}).encode())
+    assert len(document.events[0].description or "") == 32 * 1024
+    assert any("clipped" in warning for warning in document.warnings)

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from email.utils import format_datetime, parsedate_to_datetime
 from typing import Any
 
-from forewarn.imds.reply import ReplyError, check_value, decode_reply
+from forewarn.imds.reply import ReplyError, capped, check_value, decode_reply
 
 #: Event types, statuses and sources documented for API version 2020-07-01. Other values are passed
 #: through untouched; these lists only drive zero-filled metrics and the simulator.
@@ -284,4 +284,4 @@ def parse_document(payload: bytes | str | Mapping[str, Any]) -> Document:
         if event.event_id in seen:
             raise DocumentError(f"EventId {event.event_id} appears twice")
         seen.add(event.event_id)
-    return Document(incarnation=incarnation, events=events, raw=data, warnings=tuple(warnings))
+    return Document(incarnation=incarnation, events=events, raw=data, warnings=capped(warnings))

@@ -27,6 +27,11 @@ from typing import Any
 DEFAULT_MAX_REPLY_BYTES = 4 * 1024 * 1024
 MAX_CONTAINERS = 10_000
 MAX_DEPTH = 16
+#: Longest string kept (characters); real ones are under 1 KiB. Longer ones are clipped, with a warning,
+#: so one field cannot fill records, the outbox and every sink with megabytes.
+MAX_STRING = 32 * 1024
+#: Warnings kept per reply: a reply full of bad values gives a few lines of log, not thousands.
+MAX_WARNINGS = 20
 INT_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -112,10 +117,20 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _text(value: str, path: str, warnings: list[str]) -> str:
+    if len(value) > MAX_STRING:
+        warnings.append(f"{path}: string of {len(value)} characters clipped to {MAX_STRING}")
+        value = value[:MAX_STRING]
     if value.isascii() or not _SURROGATE.search(value):
         return value
     warnings.append(f"{path}: invalid Unicode (a lone surrogate escape) replaced by U+FFFD")
     return _SURROGATE.sub("\ufffd", value)
+
+
+def capped(warnings: list[str]) -> tuple[str, ...]:
+    """At most MAX_WARNINGS of them, the rest summed up in one line."""
+    if len(warnings) <= MAX_WARNINGS:
+        return tuple(warnings)
+    return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more problems in this reply")
 
 
 def check_value(value: Any) -> tuple[Any, list[str]]:
