@@ -12,10 +12,9 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forewarn import __version__
-from forewarn.approval.approver import Approver
-from forewarn.approval.policy import PolicyError, load_policy
 from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
@@ -27,6 +26,9 @@ from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
+
+if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
+    from forewarn.approval.approver import Approver
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ def build_approver(settings: Settings, collector: Poller, client: ImdsClient, me
         if settings.dry_run:
             log.info("--dry-run without --policy: nothing would be approved anyway")
         return None
+    from forewarn.approval.policy import PolicyError, load_policy
+
     try:
         policy = load_policy(settings.policy)
     except PolicyError as exc:
@@ -136,6 +140,8 @@ def build_approver(settings: Settings, collector: Poller, client: ImdsClient, me
     def record(records: Sequence[Record]) -> None:
         # Without a document: only the poll loop moves the saved state forward, with its own records.
         collector.outbox.append(records)
+
+    from forewarn.approval.approver import Approver
 
     approver = Approver(policy, ImdsStarter(client), metrics, record, dry_run=settings.dry_run)
     metrics.policy_reload_time.set(time.time())
@@ -150,6 +156,8 @@ def reload_policy(settings: Settings, approver: Approver | None, metrics: Metric
     if approver is None or not settings.policy:
         log.info("received SIGHUP: no --policy to reload; carrying on")
         return
+    from forewarn.approval.policy import PolicyError, load_policy
+
     try:
         policy = load_policy(settings.policy)
     except PolicyError as exc:

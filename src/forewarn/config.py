@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import yaml
-
 from forewarn import DEFAULT_API_VERSION
 from forewarn.imds.client import DEFAULT_ENDPOINT
 from forewarn.imds.document import API_VERSIONS
-from forewarn.yamlerrors import yaml_problem
 
 ENV_PREFIX = "FOREWARN_"
 DEFAULT_LISTEN = ":9465"
@@ -408,6 +405,10 @@ def read_text_file(path: str, what: str, secret: bool = False) -> str:
 
 
 def _load_file(path: str) -> dict[str, Any]:
+    import yaml  # only with --config: YAML costs memory that a flag-configured agent does not need
+
+    from forewarn.yamlerrors import yaml_problem
+
     text = read_text_file(path, "--config")
     try:
         data = yaml.safe_load(text)
