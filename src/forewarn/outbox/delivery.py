@@ -96,7 +96,7 @@ class DeliveryWorker:
                 self._publish_backlog()
                 if self._draining.is_set():
                     return
-                self._stop.wait(self._backoff.delay(attempt))
+                self._stop.wait(retry_wait(exc, self._backoff.delay(attempt)))
                 attempt += 1
                 continue
             attempt = 0
@@ -109,6 +109,19 @@ class DeliveryWorker:
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
                 self._stop.wait(0.5)
             self._publish_backlog()
+
+
+#: The longest Retry-After honoured: a peer asking for an hour would otherwise hold the whole backlog.
+MAX_RETRY_AFTER = 600.0
+
+
+def retry_wait(exc: BaseException, backoff: float) -> float:
+    """How long to wait after a failed send: the peer's Retry-After (a sink error's `retry_after`, e.g. from
+    an HTTP 429), capped at MAX_RETRY_AFTER, when it gave one; the backoff's delay otherwise."""
+    retry_after = getattr(exc, "retry_after", None)
+    if isinstance(retry_after, (int, float)) and retry_after >= 0:
+        return min(float(retry_after), MAX_RETRY_AFTER)
+    return backoff
 
 
 #: After the drain timeout, how long workers get to notice the stop (one in a backoff wait ends at once).

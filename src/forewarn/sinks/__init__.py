@@ -1,7 +1,8 @@
 """Where records go. Every sink has the same narrow shape: `send(records)` returns once the records are
 safely delivered and raises `SinkError` otherwise; the delivery worker retries, in order.
 
-Sinks are named by a spec on the command line: `stdout`, `file:PATH`, `eventhubs`, `otlp`.
+Sinks are named by a spec on the command line: `stdout`, `file:PATH`, `eventhubs`, `otlp`, and the
+notification sinks `webhook`, `slack`, `teams`, `template`, plus `logs-ingestion` (Azure Monitor Logs).
 """
 
 from __future__ import annotations
@@ -64,7 +65,61 @@ def build_sink(spec: str, options: Mapping[str, Any] | None = None) -> Sink:
         return EventHubsSink(connection_string=options.get("eventhubs_connection_string"),
                              namespace=options.get("eventhubs_namespace"), hub=options.get("eventhubs_name"),
                              client_id=options.get("eventhubs_client_id"))
-    raise SinkConfigError(f"--sink {spec!r} is not a known sink; valid: stdout, file:PATH, otlp, eventhubs")
+    if kind in NOTIFY_KINDS and not arg:
+        try:
+            return _notify_sink(kind, options)
+        except ImportError as exc:
+            extra = "logs" if kind == "logs-ingestion" else "notify"
+            raise SinkConfigError(f"--sink {kind} needs {exc.name}: pip install 'forewarn[{extra}]'") from None
+    raise SinkConfigError(f"--sink {spec!r} is not a known sink; valid: stdout, file:PATH, otlp, eventhubs, "
+                          f"{', '.join(NOTIFY_KINDS)}")
+
+
+#: The sinks that post one message per record (and logs-ingestion, built alongside).
+NOTIFY_KINDS = ("webhook", "slack", "teams", "template", "logs-ingestion")
+
+
+def _notify_sink(kind: str, options: Mapping[str, Any]) -> Sink:
+    from forewarn.sinks.notify import check_url, parse_filter
+
+    state_dir = options.get("state_dir")
+    link = options.get("notify_link")
+    if kind == "logs-ingestion":
+        from forewarn.sinks.logsingestion import LogsIngestionSink
+
+        return LogsIngestionSink(endpoint=options.get("logs_endpoint"), rule_id=options.get("logs_rule_id"),
+                                 stream=options.get("logs_stream"), client_id=options.get("logs_client_id"))
+    prefix = {"webhook": "webhook", "slack": "slack-webhook", "teams": "teams-webhook", "template": "template"}[kind]
+    key = prefix.replace("-", "_") + "_url"
+    where = f"FOREWARN_{key.upper()} or --{prefix}-url-file"
+    if not options.get(key):
+        raise SinkConfigError(f"--sink {kind} needs the URL in {where} (never a flag: it holds the key)")
+    url = check_url(options.get(key), where)
+    filter = parse_filter(options.get(f"{kind}_filter"), f"{kind}-filter")
+    rate = float(options.get(f"{kind}_rate_limit") or 0)
+    if kind == "webhook":
+        from forewarn.sinks.webhook import WebhookSink
+
+        return WebhookSink(url, options.get("webhook_mode") or "structured", filter, rate, state_dir)
+    if kind == "slack":
+        from forewarn.sinks.slack import SlackSink
+
+        return SlackSink(url, filter, rate, state_dir, link)
+    if kind == "teams":
+        from forewarn.sinks.teams import TeamsSink
+
+        return TeamsSink(url, filter, rate, state_dir, link)
+    from forewarn.config import ConfigError, read_text_file
+    from forewarn.sinks.template import TemplateSink
+
+    path = options.get("template_file")
+    if not path:
+        raise SinkConfigError("--sink template needs --template-file (a Jinja2 template of the JSON body)")
+    try:
+        text = read_text_file(path, "--template-file")
+    except ConfigError as exc:
+        raise SinkConfigError(str(exc)) from None
+    return TemplateSink(url, path, text, filter, rate, state_dir, link)
 
 
 def build_sinks(specs: Sequence[str], settings: Settings | None = None) -> list[Sink]:

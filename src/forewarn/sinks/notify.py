@@ -1,0 +1,326 @@
+"""What every notification sink shares: the filter, the rate limit, the record ids already sent, the POST.
+
+A notification sink posts one message per record, in order. The outbox already retries until a send
+succeeds and keeps what is waiting across restarts; what it cannot promise is "once": after a crash or a
+failed acknowledgement it hands the same records over again. People do not want the same Slack message
+twice, so each notification sink remembers the ids it has posted (`SentIds`, a small table beside the
+outbox) and skips a repeat. Record ids are deterministic (VM, event, change, incarnation), so the same
+change seen again after a restart has the same id.
+
+The URL is a secret (Slack and Teams webhook URLs carry their key in the path, others in the query): it
+comes from an environment variable or a file, is never logged, and only `scheme://host/...` appears in
+errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from forewarn.records import APPROVED, Record
+from forewarn.retry import parse_retry_after
+from forewarn.sinks import SinkConfigError, SinkError
+from forewarn.tracker import ChangeKind
+
+log = logging.getLogger(__name__)
+
+#: The changes a filter may name: the tracker's (added, updated, removed) and the approver's.
+CHANGES = (*(str(kind) for kind in ChangeKind), APPROVED)
+#: Ids remembered per sink; far more than one VM's changes between two restarts.
+MAX_SENT = 10_000
+#: The file beside the outbox database that holds the ids sent.
+SENT_FILE = "notify-sent.db"
+#: Per-request timeout (connect and each read).
+TIMEOUT = 10.0
+
+
+class NotifyError(SinkError):
+    """A failed post; `retry_after` is the peer's Retry-After in seconds, when it sent one."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def shown_url(url: str) -> str:
+    """`scheme://host[:port]/...`: enough to tell endpoints apart, nothing of the path or query that holds
+    the key."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}/..."
+
+
+def check_url(url: str | None, what: str) -> str:
+    """A webhook URL from `what` (the variable or file option), checked without ever echoing it."""
+    if not url:
+        raise SinkConfigError(f"needs {what}")
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it checks it
+    except ValueError:
+        raise SinkConfigError(f"{what}: not a URL (the value is not shown)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        raise SinkConfigError(f"{what}: expected an http:// or https:// URL (the value is not shown)")
+    return url
+
+
+@dataclass(frozen=True)
+class Filter:
+    """Which records a sink notifies about; an empty set means any."""
+
+    types: frozenset[str] = frozenset()
+    changes: frozenset[str] = frozenset()
+    this_vm: bool = False
+
+    def matches(self, record: Record) -> bool:
+        data = record.data
+        if self.changes and data.get("change") not in self.changes:
+            return False
+        if self.types and data.get("event", {}).get("EventType") not in self.types:
+            return False
+        return not self.this_vm or bool(data.get("affects_this_vm"))
+
+
+def parse_filter(text: str | None, option: str) -> Filter:
+    """`types=Reboot,Redeploy changes=added,approved this-vm` (terms separated by spaces or ';')."""
+    if not text or not text.strip():
+        return Filter()
+    types: set[str] = set()
+    changes: set[str] = set()
+    this_vm = False
+    valid = "terms types=T1,T2 changes=C1,C2 this-vm, separated by spaces"
+    for position, term in enumerate(re.split(r"[\s;]+", text.strip()), start=1):
+        key, equals, value = term.partition("=")
+        items = [item for item in value.split(",") if item]
+        if key == "this-vm" and (not equals or value.lower() in ("true", "yes", "1")):
+            this_vm = True
+        elif key == "this-vm" and value.lower() in ("false", "no", "0"):
+            this_vm = False
+        elif key == "types" and items:
+            types.update(items)
+        elif key == "changes" and items:
+            unknown = [item for item in items if item not in CHANGES]
+            if unknown:
+                raise SinkConfigError(f"--{option}: term {position}: change {unknown[0]!r} is not known; "
+                                      f"valid: {', '.join(CHANGES)}")
+            changes.update(items)
+        else:
+            raise SinkConfigError(f"--{option}: term {position} {term!r} is not understood; valid: {valid}")
+    return Filter(frozenset(types), frozenset(changes), this_vm)
+
+
+class RateLimit:
+    """At most `per_second` messages a second, spaced evenly (0: no limit). Slack takes about one message
+    a second per webhook and answers bursts with 429; spacing them avoids the 429 in the first place."""
+
+    def __init__(self, per_second: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.interval = 1.0 / per_second if per_second > 0 else 0.0
+        self._clock = clock
+        self._sleep = sleep
+        self._next = 0.0
+
+    def wait(self) -> None:
+        if not self.interval:
+            return
+        now = self._clock()
+        if now < self._next:
+            self._sleep(self._next - now)
+            now = self._next
+        self._next = now + self.interval
+
+
+class SentIds:
+    """The record ids a sink has posted, the newest MAX_SENT of them, kept on disk beside the outbox (in
+    memory when there is no state dir or it cannot be written: repeats are then skipped until a restart)."""
+
+    def __init__(self, state_dir: str | None, sink: str, limit: int = MAX_SENT) -> None:
+        self.sink = sink
+        self.limit = limit
+        self._memory: OrderedDict[str, None] = OrderedDict()
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._added = 0
+        if state_dir:
+            try:
+                Path(state_dir).mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(Path(state_dir) / SENT_FILE, check_same_thread=False, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across a process crash
+                db.execute("CREATE TABLE IF NOT EXISTS sent (sink TEXT NOT NULL, id TEXT NOT NULL, "
+                           "seq INTEGER PRIMARY KEY AUTOINCREMENT, UNIQUE (sink, id))")
+                self._db = db
+            except sqlite3.Error:
+                self._db = None  # the outbox reports an unusable state dir; repeats are skipped in memory
+
+    def __contains__(self, record_id: object) -> bool:
+        with self._lock:
+            if record_id in self._memory:
+                return True
+            if self._db is None:
+                return False
+            try:
+                row = self._db.execute("SELECT 1 FROM sent WHERE sink = ? AND id = ?", (self.sink, record_id))
+                return row.fetchone() is not None
+            except sqlite3.Error:
+                return False
+
+    def add(self, record_id: str) -> None:
+        with self._lock:
+            self._memory[record_id] = None
+            while len(self._memory) > self.limit:
+                self._memory.popitem(last=False)
+            if self._db is None:
+                return
+            try:
+                self._db.execute("INSERT OR IGNORE INTO sent (sink, id) VALUES (?, ?)", (self.sink, record_id))
+                self._added += 1
+                if self._added % 500 == 0:  # keep the table bounded, without a DELETE per message
+                    self._db.execute("DELETE FROM sent WHERE sink = ? AND seq <= (SELECT seq FROM sent WHERE "
+                                     "sink = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)", (self.sink, self.sink,
+                                                                                      self.limit))
+            except sqlite3.Error:
+                pass  # remembered in memory; after a restart this one record may be posted again
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+class Poster:
+    """POSTs to one URL over a kept-alive session; any answer but 2xx is a NotifyError (429 and 503 carry
+    the peer's Retry-After). Messages name the endpoint as scheme://host/... only."""
+
+    def __init__(self, url: str, timeout: float = TIMEOUT) -> None:
+        self.url = url
+        self.target = shown_url(url)
+        self.timeout = timeout
+        self._session = requests.Session()
+        self._session.trust_env = True  # HTTPS_PROXY / NO_PROXY as for every other client
+
+    def post(self, body: bytes, headers: Mapping[str, str]) -> None:
+        try:
+            response = self._session.post(self.url, data=body, headers=dict(headers), timeout=self.timeout,
+                                          allow_redirects=False)
+        except requests.RequestException as exc:
+            # str(exc) of a connection error quotes the URL, path and query included: name the type only.
+            raise NotifyError(f"POST {self.target}: {type(exc).__name__}") from None
+        with response:
+            if 200 <= response.status_code < 300:
+                return
+            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            raise NotifyError(f"POST {self.target}: HTTP {response.status_code}", retry_after=retry_after)
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class NotifySink:
+    """A sink that posts one message per record: filtered, rate limited, each record id at most once.
+    Subclasses give `render(record)`: the body and its headers."""
+
+    name = "notify"
+
+    def __init__(self, url: str, filter: Filter, rate_limit: float, state_dir: str | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.filter = filter
+        self.clock = clock
+        self._poster = Poster(url)
+        self._rate = RateLimit(rate_limit)
+        self.sent = SentIds(state_dir, self.name)
+
+    def render(self, record: Record) -> tuple[bytes, Mapping[str, str]]:
+        raise NotImplementedError
+
+    def send(self, records: Sequence[Record]) -> None:
+        for record in records:
+            if not self.filter.matches(record) or record.id in self.sent:
+                continue
+            try:
+                body, headers = self.render(record)
+            except SinkError as exc:
+                # Rendering is deterministic: retrying would block every later record behind this one.
+                log.error("sink %s: record %s skipped: %s", self.name, record.id, exc)
+                continue
+            self._rate.wait()
+            self._poster.post(body, headers)
+            self.sent.add(record.id)
+
+    def close(self) -> None:
+        self._poster.close()
+        self.sent.close()
+
+
+# --- what a message says ---------------------------------------------------------------------------------
+def event_of(record: Record) -> Mapping[str, Any]:
+    event = record.data.get("event", {})
+    return event if isinstance(event, Mapping) else {}
+
+
+def when(record: Record, now: float) -> str:
+    """`2022-04-11 22:26 UTC (in 14 min)`, or `not set` for an event without NotBefore."""
+    from datetime import datetime, timezone
+
+    not_before = record.data.get("not_before")
+    if not not_before:
+        return "not set (now or already running)"
+    moment = datetime.fromisoformat(str(not_before).replace("Z", "+00:00")).astimezone(timezone.utc)
+    minutes = round((moment.timestamp() - now) / 60)
+    relative = ("now" if minutes == 0 else f"in {_span(minutes)}" if minutes > 0 else f"{_span(-minutes)} ago")
+    return f"{moment:%Y-%m-%d %H:%M} UTC ({relative})"
+
+
+def _span(minutes: int) -> str:
+    if minutes < 120:
+        return f"{minutes} min"
+    if minutes < 48 * 60:
+        return f"{minutes // 60} h {minutes % 60} min"
+    return f"{minutes // (24 * 60)} days"
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def listed(items: Iterable[Any], limit: int) -> str:
+    """`vm-0, vm-1 … and 498 more` within `limit` characters."""
+    names = [str(item) for item in items]
+    shown_names: list[str] = []
+    for index, name in enumerate(names):
+        rest = len(names) - index
+        candidate = ", ".join([*shown_names, name])
+        if len(candidate) + len(f" … and {rest} more") > limit:
+            return ", ".join(shown_names) + f" … and {rest} more"
+        shown_names.append(name)
+    return ", ".join(shown_names) or "none"
+
+
+def headline(record: Record) -> str:
+    """`Reboot scheduled for vm-0`, `Freeze started on vm-0`, `Redeploy approved on vm-0`, ..."""
+    event = event_of(record)
+    change = str(record.data.get("change", ""))
+    vm = record.data.get("vm", {}).get("name") or "this VM"
+    kind = event.get("EventType") or "Maintenance"
+    status = event.get("EventStatus") or ""
+    if change == APPROVED:
+        return f"{kind} approved on {vm}" + (" (dry run)" if record.data.get("dry_run") else "")
+    if change == str(ChangeKind.REMOVED):
+        return f"{kind} over ({record.data.get('outcome', 'ended')}) on {vm}"
+    if status == "Started":
+        return f"{kind} started on {vm}"
+    return f"{kind} scheduled on {vm}" if record.data.get("affects_this_vm") else f"{kind} scheduled near {vm}"
