@@ -254,7 +254,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
            metavar="NAME"),
     Option("state-dir", "directory where state and the outbox survive restarts (default: the service state "
            "directory; with --simulate a temporary one)", None, _directory, metavar="PATH"),
-    Option("sink", "where records go: stdout, file:PATH, eventhubs, otlp (repeatable)", ["stdout"],
+    Option("sink", "where records go: stdout, file:PATH, eventhubs, otlp, webhook, slack, teams, template, "
+           "logs-ingestion (repeatable)", ["stdout"],
            str, repeatable=True, metavar="SPEC"),
     Option("eventhubs-connection-string", "Event Hubs connection string; from the environment or the config "
            "file only, never a flag (visible in ps)", None, secret=True, metavar="CONNSTR"),
@@ -269,6 +270,32 @@ RUN_OPTIONS: tuple[Option, ...] = (
            None, metavar="URL"),
     Option("otlp-protocol", "grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL, else "
            "http/protobuf)", None, _choice("grpc", "http/protobuf")),
+    # Notification sinks (docs/notifications.md). Their URLs hold the key: variable or file only.
+    *(option for kind, what in (("webhook", "webhook (CloudEvents over HTTP)"),
+                                ("slack-webhook", "Slack incoming webhook"),
+                                ("teams-webhook", "Teams Workflows webhook"), ("template", "template sink endpoint"))
+      for option in (
+          Option(f"{kind}-url", f"{what} URL; from the environment or the config file only, never a flag (it "
+                 "holds the key)", None, secret=True, metavar="URL"),
+          Option(f"{kind}-url-file", f"file holding the {what} URL", None, metavar="PATH"))),
+    Option("webhook-mode", "CloudEvents HTTP content mode of --sink webhook: structured or binary", "structured",
+           _choice("structured", "binary")),
+    Option("template-file", "Jinja2 template of the JSON body --sink template posts (sandboxed, checked at "
+           "start)", None, metavar="FILE"),
+    *(option for kind, rate in (("webhook", 0.0), ("slack", 1.0), ("teams", 1.0), ("template", 0.0))
+      for option in (
+          Option(f"{kind}-filter", f"which records --sink {kind} posts: types=Reboot,Redeploy changes=added,"
+                 "updated,removed,approved this-vm (default: all)", None, metavar="FILTER"),
+          Option(f"{kind}-rate-limit", f"most messages a second --sink {kind} posts; 0: no limit", rate,
+                 Number(0, 10_000), metavar="PER_SECOND"))),
+    Option("notify-link", "link shown in Slack, Teams and template messages (a dashboard, a runbook)", None,
+           metavar="URL"),
+    Option("logs-endpoint", "Azure Monitor data collection endpoint (logs ingestion URL) for --sink "
+           "logs-ingestion", None, metavar="URL"),
+    Option("logs-rule-id", "immutable id of the data collection rule (dcr-...)", None, metavar="ID"),
+    Option("logs-stream", "stream of the data collection rule", "Custom-ForewarnEvents", metavar="NAME"),
+    Option("logs-client-id", "client id of a user-assigned managed identity for --sink logs-ingestion", None,
+           metavar="ID"),
     Option("policy", "approval policy file (YAML); without one nothing is ever approved", None, metavar="FILE"),
     Option("dry-run", "decide and record approvals, but send no StartRequests", False, _boolean, is_flag=True),
     Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
@@ -317,6 +344,29 @@ class Settings:
     eventhubs_client_id: str | None
     otlp_endpoint: str | None
     otlp_protocol: str | None
+    webhook_url: str | None
+    webhook_url_file: str | None
+    slack_webhook_url: str | None
+    slack_webhook_url_file: str | None
+    teams_webhook_url: str | None
+    teams_webhook_url_file: str | None
+    template_url: str | None
+    template_url_file: str | None
+    webhook_mode: str
+    template_file: str | None
+    webhook_filter: str | None
+    webhook_rate_limit: float
+    slack_filter: str | None
+    slack_rate_limit: float
+    teams_filter: str | None
+    teams_rate_limit: float
+    template_filter: str | None
+    template_rate_limit: float
+    notify_link: str | None
+    logs_endpoint: str | None
+    logs_rule_id: str | None
+    logs_stream: str
+    logs_client_id: str | None
     policy: str | None
     dry_run: bool
     outbox_max_records: int
@@ -440,6 +490,11 @@ def _fresh(default: Any) -> Any:
     return list(default) if isinstance(default, list) else default
 
 
+#: Secrets that may come from a file named by the option `<name>-file`.
+SECRET_FILES = ("eventhubs_connection_string", "webhook_url", "slack_webhook_url", "teams_webhook_url",
+                "template_url")
+
+
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
             environ: Mapping[str, str] | None = None) -> Settings:
     """Merge flags, environment, config file and defaults into checked Settings."""
@@ -474,11 +529,12 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
             continue
         values[option.dest] = raw if (option.is_flag and isinstance(raw, bool)) else _convert(option, raw, source)
         sources[option.dest] = source
-    secret_file = values.get("eventhubs_connection_string_file")
-    if secret_file and not values.get("eventhubs_connection_string"):
-        values["eventhubs_connection_string"] = read_text_file(secret_file, "--eventhubs-connection-string-file",
-                                                               secret=True).strip()
-        sources["eventhubs_connection_string"] = f"--eventhubs-connection-string-file {secret_file}"
+    for secret in SECRET_FILES:  # a secret's file fills the secret when the variable did not
+        secret_file = values.get(secret + "_file")
+        if secret_file and not values.get(secret):
+            flag = "--" + secret.replace("_", "-") + "-file"
+            values[secret] = read_text_file(secret_file, flag, secret=True).strip()
+            sources[secret] = f"{flag} {secret_file}"
     if "state_dir" in values and values["state_dir"] is None and not values.get("simulate"):
         values["state_dir"] = default_state_dir()
     for option in RUN_OPTIONS:  # options this command does not take keep their defaults
