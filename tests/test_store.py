@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -196,3 +197,40 @@ def test_unusable_state_dir_is_retried_on_its_own(tmp_path: Path) -> None:
     assert told.writable == [True]
     assert (blocker / "state" / DB_FILE).exists() and subjects(outbox, "a") == ["E0"]
     outbox.close()
+
+
+CLOSE_WHILE_READING = """
+import threading
+from forewarn.outbox.outbox import Outbox, StoreError
+
+for _ in range(50):
+    outbox = Outbox(None, ["a"])
+    reading = threading.Barrier(5)
+    ended = []
+
+    def read() -> None:
+        reading.wait()
+        try:
+            while True:
+                outbox.backlog("a")
+                outbox.take("a", 10)
+        except StoreError as exc:
+            ended.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    reading.wait()
+    outbox.close()
+    for reader in readers:
+        reader.join(5)
+    assert len(ended) == 4, ended
+print("ok")
+"""
+
+
+def test_closing_while_workers_read_ends_their_reads_with_store_error() -> None:
+    # A delivery worker left behind a hung sink may still read when the agent closes the outbox at stop,
+    # and a move between stores closes the old one under the workers: that must never crash the process.
+    result = subprocess.run([sys.executable, "-c", CLOSE_WHILE_READING], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-2000:]

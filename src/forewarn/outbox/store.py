@@ -26,6 +26,8 @@ from forewarn.records import Record
 
 DB_FILE = "forewarn.sqlite"
 DEFAULT_MAX_RECORDS = 100_000
+#: How long `close` waits for reads and writes under way in other threads before it gives up closing.
+CLOSE_WAIT_SECONDS = 2.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -65,6 +67,11 @@ class Store:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._write_lock = threading.Lock()
+        # Closing a connection while another thread runs a statement on it crashes the interpreter (or
+        # hangs it): every use is counted, and `close` waits for the count to reach zero.
+        self._users = threading.Condition()
+        self._active = 0
+        self._closed = False
         try:
             conn = self._conn()
             # An in-memory database lives as long as one connection to it: keep this one open.
@@ -77,10 +84,24 @@ class Store:
         self._register_sinks(list(sinks))
 
     @contextlib.contextmanager
+    def _use(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection, counted as in use until the block ends; StoreError once closed."""
+        with self._users:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._active += 1
+        try:
+            yield self._conn()
+        finally:
+            with self._users:
+                self._active -= 1
+                if self._active == 0:
+                    self._users.notify_all()
+
+    @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; raises StoreError (nothing written) on any SQLite failure."""
-        conn = self._conn()
-        with self._write_lock:
+        with self._use() as conn, self._write_lock:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -129,7 +150,8 @@ class Store:
     def load_document(self) -> Document | None:
         """The last document committed, or None on a first start (or an unreadable entry)."""
         try:
-            row = self._conn().execute("SELECT value FROM state WHERE key = 'document'").fetchone()
+            with self._use() as conn:
+                row = conn.execute("SELECT value FROM state WHERE key = 'document'").fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read state: {exc}") from exc
         if row is None:
@@ -172,11 +194,12 @@ class Store:
     def fetch(self, sink: str, limit: int) -> list[tuple[int, Record]]:
         """Up to `limit` records the sink has not acknowledged, oldest first."""
         try:
-            rows = self._conn().execute(
-                "SELECT seq, body FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?) "
-                "ORDER BY seq LIMIT ?",
-                (sink, limit),
-            ).fetchall()
+            with self._use() as conn:
+                rows = conn.execute(
+                    "SELECT seq, body FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?) "
+                    "ORDER BY seq LIMIT ?",
+                    (sink, limit),
+                ).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
         return [(seq, Record.from_dict(json.loads(body))) for seq, body in rows]
@@ -189,20 +212,21 @@ class Store:
 
     def backlog(self, sink: str) -> Backlog:
         try:
-            row = self._conn().execute(
-                "SELECT COUNT(*), MIN(created) FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?)",
-                (sink,),
-            ).fetchone()
+            with self._use() as conn:
+                row = conn.execute(
+                    "SELECT COUNT(*), MIN(created) FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?)",
+                    (sink,),
+                ).fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
         return Backlog(records=int(row[0]), oldest_created=row[1])
 
     def dump(self) -> tuple[list[tuple[int, str, float]], dict[str, int]]:
         """Every waiting record and every cursor, to carry the outbox over to another store."""
-        conn = self._conn()
         try:
-            rows = conn.execute("SELECT seq, body, created FROM records ORDER BY seq").fetchall()
-            cursors = dict(conn.execute("SELECT sink, acked FROM cursors").fetchall())
+            with self._use() as conn:
+                rows = conn.execute("SELECT seq, body, created FROM records ORDER BY seq").fetchall()
+                cursors = dict(conn.execute("SELECT sink, acked FROM cursors").fetchall())
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
         return [(int(a), str(b), float(c)) for a, b, c in rows], {str(k): int(v) for k, v in cursors.items()}
@@ -227,7 +251,13 @@ class Store:
             self._save_document(conn, document)
 
     def close(self) -> None:
-        """Close every connection of every thread; a thread still using the store gets StoreError."""
+        """Close every connection of every thread, once what they are running has ended; from then on
+        every use raises StoreError. A statement still running after CLOSE_WAIT_SECONDS (a disk that hangs)
+        keeps the connections open: leaving them is safe, closing one in use is not."""
+        with self._users:
+            self._closed = True
+            if not self._users.wait_for(lambda: self._active == 0, timeout=CLOSE_WAIT_SECONDS):
+                return
         for conn in self._connections:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
