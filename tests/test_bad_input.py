@@ -31,6 +31,8 @@ RANGES: dict[str, tuple[str, str, bool]] = {
     "ready-window": ("1", "86400", False),
     "compute-refresh": ("10", "86400", False),
     "speed": ("0.01", "10000", False),
+    "probe.lb-lead-time": ("0", "86400", False),
+    "probe.lb-freeze-threshold": ("0", "86400", False),
 }
 
 
@@ -125,7 +127,7 @@ def test_bad_number_in_a_flag(tmp_path: Path, busy_port: int, capsys: pytest.Cap
 @pytest.mark.parametrize(("name", "value"), BAD_VALUES)
 def test_bad_number_in_an_environment_variable(tmp_path: Path, busy_port: int, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
-    env = "FOREWARN_" + name.replace("-", "_").upper()
+    env = "FOREWARN_" + name.replace("-", "_").replace(".", "_").upper()
     monkeypatch.setenv(env, value)
     code, err = cli(capsys, *run_argv(tmp_path, busy_port))
     assert_usage_error(code, err, env, f"--{name}", repr(value))

@@ -24,7 +24,7 @@ from forewarn.poller import OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
-from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
+from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
 
 if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
@@ -43,6 +43,11 @@ def run_agent(settings: Settings) -> int:
                                                       metrics))
     sinks = build_sinks(settings.sink, settings)
     host, port = parse_listen_address(settings.listen_address)
+    gate = None  # before the simulator and temporary state, which a refused file would leave behind
+    if settings.web_config_file:
+        from forewarn.web.config import WebGate
+
+        gate = WebGate(settings.web_config_file)  # a refused file is a ConfigError: exit 2, file and key named
     simulator_server = None
     scratch: tempfile.TemporaryDirectory[str] | None = None  # a simulated run's state, removed at stop
     endpoint = settings.imds_endpoint
@@ -66,7 +71,7 @@ def run_agent(settings: Settings) -> int:
         endpoint = discover_endpoint()
 
     try:
-        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout,
+        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout, gate=gate,
                             max_connections=settings.web_max_connections,
                             max_request_bytes=settings.web_max_request_bytes)
     except OSError as exc:
@@ -74,6 +79,8 @@ def run_agent(settings: Settings) -> int:
             from None
     add_metrics_endpoints(server, metrics.render,
                           readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
+    add_lb_probe(server, lambda: metrics.views.view,
+                 DrainPolicy(settings.probe_lb_lead_time, settings.probe_lb_freeze_threshold))
 
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records, OutboxMetrics(metrics))
     workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]

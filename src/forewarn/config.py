@@ -186,6 +186,13 @@ def _directory(text: str) -> str:
     return text
 
 
+def _web_config_file(text: str) -> str:
+    # The file's content is checked when the agent starts (forewarn.web.config), with its keys named.
+    if not text.strip() or "\0" in text:
+        raise ValueError("expected the path of a web configuration file")
+    return text
+
+
 def _sinks(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -201,6 +208,11 @@ def _boolean(raw: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def option_key(name: str) -> str:
+    """An option's name as a field, variable or config file key: dashes and dots become underscores."""
+    return name.replace("-", "_").replace(".", "_")
+
+
 @dataclass(frozen=True)
 class Option:
     name: str                      # long flag without dashes, e.g. "poll-interval"
@@ -211,10 +223,13 @@ class Option:
     secret: bool = False
     metavar: str | None = None
     is_flag: bool = False
+    aliases: tuple[str, ...] = ()  # other flag spellings (and config file keys), e.g. "web.listen-address"
 
     @property
     def dest(self) -> str:
-        return self.name.replace("-", "_")
+        # Dotted names follow the Prometheus exporters' flags (--web.config.file); the field and the
+        # variable use underscores: FOREWARN_WEB_CONFIG_FILE.
+        return option_key(self.name)
 
     @property
     def env(self) -> str:
@@ -241,7 +256,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "is dropped", 4 * 1024 * 1024, Number(64 * 1024, 256 * 1024 * 1024, whole=True), metavar="BYTES"),
     Option("listen-address", "where /metrics, /healthz and /readyz are served: HOST:PORT, :PORT (all interfaces) "
            "or [IPv6]:PORT; port 0 picks a free port, logged at start", DEFAULT_LISTEN, listen_address,
-           metavar="HOST:PORT"),
+           metavar="HOST:PORT", aliases=("web.listen-address",)),
+    Option("web.config.file", "web configuration file in the Prometheus exporter-toolkit format: TLS, basic "
+           "auth users, response headers; re-read when it or its certificates change", None, _web_config_file,
+           metavar="FILE"),
     Option("web-read-timeout", "time a client of the web endpoints may take to send a request, and may "
            "stay idle between requests", 10.0, REQUEST_TIMEOUT, metavar="SECONDS"),
     Option("web-max-connections", "web connections served at once (each has a worker thread); more wait in "
@@ -302,6 +320,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
            Number(100, 10_000_000, whole=True), metavar="N"),
     Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0,
            Number(1, 86_400, unit=SECONDS), metavar="SECONDS"),
+    Option("probe.lb-lead-time", "/probe/lb answers 503 from this long before the NotBefore of an event that "
+           "takes this VM down, so a load balancer drains it", 300.0, Number(0, 86_400, unit=SECONDS),
+           metavar="SECONDS"),
+    Option("probe.lb-freeze-threshold", "/probe/lb drains for a Freeze only when its DurationInSeconds is above "
+           "this (shorter pauses end before a load balancer notices)", 30.0, Number(0, 86_400, unit=SECONDS),
+           metavar="SECONDS"),
     Option("compute-refresh", "time between reads of instance metadata", 3600.0, Number(10, 86_400, unit=SECONDS),
            metavar="SECONDS"),
     Option("log-format", "text or json", "text", _choice("text", "json")),
@@ -330,6 +354,7 @@ class Settings:
     imds_max_backoff: float
     imds_max_reply_bytes: int
     listen_address: str
+    web_config_file: str | None
     web_read_timeout: float
     web_max_connections: int
     web_max_request_bytes: int
@@ -371,6 +396,8 @@ class Settings:
     dry_run: bool
     outbox_max_records: int
     ready_window: float
+    probe_lb_lead_time: float
+    probe_lb_freeze_threshold: float
     compute_refresh: float
     log_format: str
     log_level: str
@@ -428,15 +455,15 @@ def shown(raw: Any) -> str:
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
     """Flags for `options`, with defaults left out so that an absent flag can be told apart."""
     for option in options:
-        flag = f"--{option.name}"
+        flags = [f"--{name}" for name in (option.name, *option.aliases)]
         if option.is_flag:
-            parser.add_argument(flag, dest=option.dest, action="store_true", default=argparse.SUPPRESS,
+            parser.add_argument(*flags, dest=option.dest, action="store_true", default=argparse.SUPPRESS,
                                 help=option.help_text)
         elif option.repeatable:
-            parser.add_argument(flag, dest=option.dest, action="append", metavar=option.metavar,
+            parser.add_argument(*flags, dest=option.dest, action="append", metavar=option.metavar,
                                 default=argparse.SUPPRESS, help=option.help_text)
         else:
-            parser.add_argument(flag, dest=option.dest, metavar=option.metavar, default=argparse.SUPPRESS,
+            parser.add_argument(*flags, dest=option.dest, metavar=option.metavar, default=argparse.SUPPRESS,
                                 help=option.help_text)
 
 
@@ -503,11 +530,12 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
     config_path = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
     from_file = _load_file(config_path) if config_path else {}
     by_key = {option.dest: option for option in options}
-    unknown = [key for key in from_file if str(key).replace("-", "_") not in by_key]
+    aliases = {option_key(alias): option.dest for option in options for alias in option.aliases}
+    unknown = [key for key in from_file if aliases.get(option_key(str(key)), option_key(str(key))) not in by_key]
     if unknown:
         raise ConfigError(f"--config {config_path}: unknown option {unknown[0]!r}; valid: "
                           + ", ".join(option.name for option in options))
-    file_values = {str(key).replace("-", "_"): value for key, value in from_file.items()}
+    file_values = {aliases.get(option_key(str(key)), option_key(str(key))): value for key, value in from_file.items()}
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

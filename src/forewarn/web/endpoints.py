@@ -1,20 +1,26 @@
-"""The agent's HTTP endpoints: /metrics, /healthz (alive), /readyz (a good poll lately) and a landing page.
+"""The agent's HTTP endpoints: /metrics, /healthz (alive), /readyz (a good poll lately), /probe/lb (a load
+balancer's drain probe) and a landing page.
 
-Each is one handler registered with the HttpServer (web/server.py), which owns the limits and the threads;
-a new endpoint is one more `server.route(...)`.
+Each is one handler registered with the HttpServer (web/server.py), which owns the limits, the threads,
+TLS and authentication; a new endpoint is one more `server.route(...)`. /probe/lb is the one public
+route: Azure Load Balancer and Application Gateway probes send no credentials.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from forewarn.imds.document import Event
+from forewarn.metrics.view import View
 from forewarn.web.server import HttpServer, Request, Response
 
 _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
 <h1>forewarn</h1><p>Azure Scheduled Events exporter.</p>
 <ul><li><a href="metrics">metrics</a></li><li><a href="healthz">healthz</a></li>
-<li><a href="readyz">readyz</a></li></ul></body></html>
+<li><a href="readyz">readyz</a></li><li><a href="probe/lb">probe/lb</a></li></ul></body></html>
 """
 
 
@@ -50,3 +56,70 @@ def readiness_check(last_success: Callable[[], float | None], window: float,
             return False, f"last successful IMDS poll {age:.0f} s ago (window {window:g} s)"
         return True, "ok"
     return check
+
+
+#: Event types that take the VM away, whatever their duration; a Freeze only pauses it.
+DRAIN_TYPES = ("Reboot", "Redeploy", "Preempt", "Terminate")
+
+
+@dataclass(frozen=True)
+class DrainPolicy:
+    """When /probe/lb asks to be taken out of rotation: from `lead_time` seconds before the NotBefore of an
+    event of DRAIN_TYPES that affects this VM, and while such an event is Started; a Freeze counts only
+    when its DurationInSeconds is above `freeze_threshold`."""
+
+    lead_time: float = 300.0
+    freeze_threshold: float = 30.0
+
+    def impactful(self, event: Event) -> bool:
+        if event.event_type in DRAIN_TYPES:
+            return True
+        return event.event_type == "Freeze" and (event.duration_seconds or 0) > self.freeze_threshold
+
+    def decide(self, view: View, now: float) -> tuple[bool, dict[str, object]]:
+        """(drain, the JSON answer's fields). Reads the view only: the probe costs no I/O."""
+        vm = view.vm.name
+        if view.document is None:
+            return False, {"drain": False, "reason": "no Scheduled Events document yet"}
+        if not vm:
+            # Without a name no event can be told to be ours; draining every VM of the set would be worse.
+            return False, {"drain": False, "reason": "this VM's name is not known yet"}
+        soonest: tuple[float, Event] | None = None
+        for event in view.document.events:
+            if not event.affects(vm) or not self.impactful(event):
+                continue
+            if event.status != "Scheduled":  # Started (or a status IMDS may add): the impact is on
+                return True, _drain(event, f"{event.event_type} {event.status}")
+            left = event.seconds_to_not_before(now)
+            if left is None:  # Scheduled without a NotBefore: it may start at any moment
+                return True, _drain(event, f"{event.event_type} scheduled without NotBefore")
+            if soonest is None or left < soonest[0]:
+                soonest = (left, event)
+        if soonest is not None and soonest[0] <= self.lead_time:
+            left, event = soonest
+            return True, _drain(event, f"{event.event_type} starts in {max(left, 0):.0f} s "
+                                       f"(lead time {self.lead_time:g} s)")
+        if soonest is not None:
+            left, event = soonest
+            return False, {"drain": False, "reason": f"next: {event.event_type} in {left:.0f} s, drain from "
+                                                     f"{self.lead_time:g} s before", "event_id": event.event_id}
+        return False, {"drain": False, "reason": "no impactful event for this VM"}
+
+
+def _drain(event: Event, reason: str) -> dict[str, object]:
+    return {"drain": True, "reason": reason, "event_id": event.event_id, "event_type": event.event_type,
+            "status": event.status,
+            "not_before": event.not_before.strftime("%Y-%m-%dT%H:%M:%SZ") if event.not_before else None}
+
+
+def add_lb_probe(server: HttpServer, view: Callable[[], View], policy: DrainPolicy,
+                 clock: Callable[[], float] = time.time, path: str = "/probe/lb") -> None:
+    """Register the drain probe: 503 while this VM should be out of rotation, 200 otherwise, with a short
+    JSON body saying why. Public: answered without the web configuration's basic auth."""
+
+    def probe(request: Request) -> Response:
+        drain, body = policy.decide(view(), clock())
+        return Response(503 if drain else 200, (json.dumps(body) + "\n").encode(), "application/json",
+                        {"Cache-Control": "no-store"})
+
+    server.route(path, probe, public=True)

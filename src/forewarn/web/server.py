@@ -11,8 +11,12 @@ complete request is handed to the bounded worker pool. A flood of silent or tric
 costs file descriptors, never threads, and cannot keep a worker from the next Prometheus scrape.
 Connections are kept alive (HTTP/1.1, or HTTP/1.0 with `Connection: keep-alive`) and pipelining works.
 
-TLS and authentication belong here too, in one place for every endpoint: TLS around the accepted socket
-(its handshake under the same read deadline), authentication in `_dispatch` before the handler.
+TLS and authentication live here too, in one place for every endpoint, given by a `Gate` (the web
+configuration file, forewarn.web.config). With TLS, the acceptor peeks at a new connection's first byte:
+a TLS handshake record is wrapped and its handshake driven without blocking by the same selector, under
+the same read deadline; anything else (plain HTTP sent to the TLS port) gets a plain-text 400 at once, as
+Go's servers answer, instead of waiting for a handshake that never comes. Authentication is checked in
+`_dispatch` before the handler, for every path (unknown ones too) except routes registered `public`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import io
 import logging
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -31,7 +36,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger(__name__)
@@ -91,6 +96,21 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
+class Gate(Protocol):
+    """What the server asks of the web configuration: whether the port speaks TLS (fixed at start), the
+    context for each new connection (certificates may have been rotated), whether a request may go on
+    (None) or its refusal, and headers added to every answer."""
+
+    @property
+    def tls_enabled(self) -> bool: ...
+
+    def tls_context(self) -> ssl.SSLContext | None: ...
+
+    def check(self, request: Request) -> Response | None: ...
+
+    def headers(self) -> Mapping[str, str]: ...
+
+
 def plain_error(status: int) -> Response:
     """The default answer for the errors the server gives itself: "not found", "method not allowed"..."""
     return Response(status, f"{HTTPStatus(status).phrase.lower()}\n".encode())
@@ -100,6 +120,7 @@ def plain_error(status: int) -> Response:
 class _Route:
     handler: Handler
     methods: frozenset[str] | None  # None: the handler takes every method
+    public: bool = False  # answered without the Gate's authentication (a load balancer's probe)
 
 
 class _Exchange(BaseHTTPRequestHandler):
@@ -147,7 +168,8 @@ class _Exchange(BaseHTTPRequestHandler):
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         self.send_header("Content-Length", str(len(response.body)))
-        for name, value in response.headers.items():
+        extra = self.http.gate.headers() if self.http.gate is not None else {}
+        for name, value in {**extra, **response.headers}.items():
             self.send_header(name, value)
         self.end_headers()
         if self.command != "HEAD":
@@ -155,10 +177,12 @@ class _Exchange(BaseHTTPRequestHandler):
 
 
 class _Connection:
-    __slots__ = ("address", "buffer", "deadline", "head_length", "need", "scanned", "sock")
+    __slots__ = ("address", "buffer", "deadline", "head_length", "need", "scanned", "sock", "stage")
 
-    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, address: Any, deadline: float,
+                 stage: Literal["hello", "handshake", "open"] = "open") -> None:
         self.sock = sock
+        self.stage = stage  # with TLS: waiting for the first byte, then the handshake, then requests
         self.address = address
         self.buffer = bytearray()
         self.scanned = 0  # where the search for the end of the head resumes
@@ -210,8 +234,8 @@ def _body_length(head: bytes, limit: int) -> int | tuple[int, str]:
     return int(length)
 
 
-def _refusal(code: int, reason: str) -> bytes:
-    body = f"{code} {reason}\n".encode()
+def _refusal(code: int, reason: str, text: str = "") -> bytes:
+    body = (text or f"{code} {reason}\n").encode()
     return (f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
@@ -239,8 +263,11 @@ class HttpServer:
 
     def __init__(self, host: str, port: int, *, read_timeout: float = 10.0, max_connections: int = 16,
                  max_request_bytes: int = 16384, max_body_bytes: int = 0, name: str = "http",
-                 server_version: str = "forewarn", error: Callable[[int], Response] = plain_error) -> None:
+                 server_version: str = "forewarn", error: Callable[[int], Response] = plain_error,
+                 gate: Gate | None = None) -> None:
         self.read_timeout = read_timeout
+        self.gate = gate
+        self.tls = gate is not None and gate.tls_enabled
         self.max_connections = max_connections
         self.max_request_bytes = max_request_bytes
         self.max_body_bytes = max_body_bytes
@@ -276,10 +303,11 @@ class HttpServer:
 
     # --- the handlers ------------------------------------------------------------------------------
     def route(self, path: str, handler: Handler, methods: Collection[str] | None = ("GET", "HEAD"),
-              prefix: bool = False) -> None:
+              prefix: bool = False, public: bool = False) -> None:
         """Send requests for `path` (or, with `prefix`, every path starting with it) to `handler`; other
-        methods than `methods` get 405 (None: the handler takes every method). Register before `start`."""
-        entry = _Route(handler, frozenset(methods) if methods is not None else None)
+        methods than `methods` get 405 (None: the handler takes every method). A `public` route is
+        answered without authentication. Register before `start`."""
+        entry = _Route(handler, frozenset(methods) if methods is not None else None, public)
         if prefix:
             self._prefixes = sorted([*self._prefixes, (path, entry)], key=lambda item: -len(item[0]))
         else:
@@ -288,6 +316,11 @@ class HttpServer:
     def _dispatch(self, request: Request) -> Response:
         path = request.path
         entry = self._routes.get(path) or next((r for p, r in self._prefixes if path.startswith(p)), None)
+        if self.gate is not None and (entry is None or not entry.public):
+            # Before the 404 too: without credentials, which paths exist is not told either.
+            refused = self.gate.check(request)
+            if refused is not None:
+                return refused
         if entry is None:
             return self.error(404)
         if entry.methods is not None and request.method not in entry.methods:
@@ -303,7 +336,7 @@ class HttpServer:
         shown = str(host) if host not in ("", "0.0.0.0") else "127.0.0.1"  # noqa: S104
         if ":" in shown:
             shown = f"[{shown}]"
-        return f"http://{shown}:{port}"
+        return f"{'https' if self.tls else 'http'}://{shown}:{port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name=self.name, daemon=True)
@@ -361,8 +394,12 @@ class HttpServer:
                     self._accept()
                 elif key.fileobj is self._wake_r:
                     self._take_back()
-                else:
+                elif key.data.stage == "open":
                     self._read(key.data)
+                elif key.data.stage == "hello":
+                    self._hello(key.data)
+                else:
+                    self._handshake(key.data)
             self._expire(time.monotonic())
 
     def _accept(self) -> None:
@@ -383,7 +420,7 @@ class HttpServer:
             sock.setblocking(False)
             # The reply goes out in one write, but keep small replies from waiting on delayed ACKs.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._wait_for_request(_Connection(sock, address, 0.0))
+            self._wait_for_request(_Connection(sock, address, 0.0, "hello" if self.tls else "open"))
 
     def _wait_for_request(self, conn: _Connection) -> None:
         conn.deadline = time.monotonic() + self.read_timeout
@@ -404,10 +441,61 @@ class HttpServer:
                 self._drop(next(iter(self._waiting)))
             self._wait_for_request(conn)
 
+    def _hello(self, conn: _Connection) -> None:
+        """The first byte on a TLS port: a handshake record (0x16) is wrapped and its handshake begun;
+        anything else is refused in plain text, so a client speaking HTTP learns why at once."""
+        try:
+            first = conn.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            first = b""
+        if not first:
+            self._drop(conn)
+            return
+        context = self.gate.tls_context() if self.gate is not None else None
+        if first != b"\x16" or context is None:
+            conn.stage = "open"  # read and discarded from now on, as any refused connection is
+            self._refuse(conn, 400, "Bad Request", "Client sent an HTTP request to an HTTPS server.\n")
+            return
+        self._selector.unregister(conn.sock)
+        try:
+            conn.sock = context.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            log.debug("%s: cannot start TLS: %s", conn.address[0], exc)
+            self._waiting.pop(conn, None)
+            conn.close()
+            return
+        conn.stage = "handshake"
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        self._handshake(conn)
+
+    def _handshake(self, conn: _Connection) -> None:
+        """One step of a non-blocking TLS handshake; the connection's read deadline bounds all of them."""
+        assert isinstance(conn.sock, ssl.SSLSocket)
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
+        except ssl.SSLWantWriteError:
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        except OSError as exc:  # refused: a version below the minimum, no client certificate, ...
+            log.debug("%s: TLS handshake failed: %s", conn.address[0], exc)
+            self._drop(conn)
+            return
+        conn.stage = "open"
+        self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._read(conn)  # the request may have come with the handshake's last flight
+
     def _read(self, conn: _Connection) -> None:
         try:
             data = conn.sock.recv(_READ_CHUNK)
-        except BlockingIOError:
+            # TLS: the rest of a record already decrypted is in OpenSSL's buffer, which no selector sees.
+            while isinstance(conn.sock, ssl.SSLSocket) and data and conn.sock.pending():
+                data += conn.sock.recv(_READ_CHUNK)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -445,10 +533,10 @@ class HttpServer:
         del self._waiting[conn]
         self._submit(conn, head, body_bytes)
 
-    def _refuse(self, conn: _Connection, code: int, reason: str) -> None:
+    def _refuse(self, conn: _Connection, code: int, reason: str, text: str = "") -> None:
         log.debug("%s: refused with %d %s", conn.address[0], code, reason)
         try:
-            conn.sock.send(_refusal(code, reason))  # small enough for any socket buffer
+            conn.sock.send(_refusal(code, reason, text))  # small enough for any socket buffer
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             self._drop(conn)
