@@ -35,6 +35,8 @@ def adaptive_card(record: Record, now: float, link: str | None) -> dict[str, Any
     description = str(event.get("Description") or "")
     if description:
         body.append({"type": "TextBlock", "text": clip(description, 3000), "wrap": True})
+    body.append({"type": "TextBlock", "text": f"record {record.id} · forewarn", "size": "small",
+                 "isSubtle": True, "wrap": True})
     card: dict[str, Any] = {"$schema": "http://adaptivecards.io/schemas/adaptive-card.json",
                             "type": "AdaptiveCard", "version": "1.4", "body": body}
     if link:
