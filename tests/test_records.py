@@ -111,6 +111,6 @@ def test_approved_record_id_is_derived_like_every_other() -> None:
     assert to_record(change, VM, NOW).id != approval_record(change.event, VM, "r", False, 1, NOW).id
 
 
-def test_the_schema_knows_exactly_the_document_changes_and_approved() -> None:
+def test_the_schema_knows_exactly_the_document_changes_approved_and_node_action() -> None:
     changes = SCHEMA["properties"]["data"]["properties"]["change"]["enum"]
-    assert sorted(changes) == sorted([str(kind) for kind in ChangeKind] + [APPROVED])
+    assert sorted(changes) == sorted([str(kind) for kind in ChangeKind] + [APPROVED, "node_action"])

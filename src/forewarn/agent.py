@@ -28,6 +28,7 @@ from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoi
 from forewarn.web.server import HttpServer
 
 if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
+    from forewarn.approval.actor import NodeActor
     from forewarn.approval.approver import Approver
 
 log = logging.getLogger(__name__)
@@ -150,11 +151,35 @@ def build_approver(settings: Settings, collector: Poller, client: ImdsClient, me
 
     from forewarn.approval.approver import Approver
 
-    approver = Approver(policy, ImdsStarter(client), metrics, record, dry_run=settings.dry_run)
+    actor = build_actor(settings, policy.uses_node_actions, metrics) if policy.uses_node_actions else None
+    approver = Approver(policy, ImdsStarter(client), metrics, record, dry_run=settings.dry_run, actor=actor)
     metrics.policy_reload_time.set(time.time())
     log.info("approval policy %s: %d rule(s), leader mode %s%s", settings.policy, len(policy.rules),
              policy.leader_mode, ", DRY RUN (no approval is sent)" if approver.dry_run else "")
     return approver
+
+
+def build_actor(settings: Settings, needed: bool, metrics: Metrics) -> NodeActor | None:
+    """The Kubernetes node actor for a policy with node actions (`needed`). The client library is imported
+    here only, so a run without node actions never loads it."""
+    if not needed:
+        return None
+    if not settings.node_name:
+        raise ConfigError(f"--policy {settings.policy}: rules have node actions (node:), which need --node-name "
+                          "(FOREWARN_NODE_NAME; a DaemonSet sets it from spec.nodeName)")
+    try:
+        from forewarn.node import KubeError
+        from forewarn.node import build_actor as kube_actor
+    except ImportError as exc:
+        raise ConfigError(f"--policy {settings.policy}: node actions need the Kubernetes client: pip install "
+                          f"'forewarn[kubernetes]' ({exc})") from None
+    try:
+        actor = kube_actor(settings.node_name, settings.kubeconfig, draining=metrics.node_drains.set)
+    except KubeError as exc:
+        raise ConfigError(str(exc)) from None
+    log.info("node actions on Kubernetes node %s%s", settings.node_name,
+             f" (kubeconfig {settings.kubeconfig})" if settings.kubeconfig else "")
+    return actor
 
 
 def reload_policy(settings: Settings, approver: Approver | None, metrics: Metrics) -> None:

@@ -193,6 +193,14 @@ def _web_config_file(text: str) -> str:
     return text
 
 
+def _node_name(text: str) -> str:
+    """A Kubernetes node name: a DNS subdomain (RFC 1123: lowercase letters, digits, '-' and '.', at most 253)."""
+    if len(text) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", text):
+        raise ValueError("valid: a Kubernetes node name (lowercase letters, digits, '-' and '.', at most 253), "
+                         "as `kubectl get nodes` shows it")
+    return text
+
+
 def _sinks(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -315,7 +323,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("logs-client-id", "client id of a user-assigned managed identity for --sink logs-ingestion", None,
            metavar="ID"),
     Option("policy", "approval policy file (YAML); without one nothing is ever approved", None, metavar="FILE"),
-    Option("dry-run", "decide and record approvals, but send no StartRequests", False, _boolean, is_flag=True),
+    Option("dry-run", "decide and record approvals and node actions, but send no StartRequests and write nothing "
+           "to the Kubernetes API", False, _boolean, is_flag=True),
+    Option("node-name", "the Kubernetes node this instance acts on, for a policy with node actions (DaemonSet: "
+           "from spec.nodeName)", None, _node_name, metavar="NAME"),
+    Option("kubeconfig", "kubeconfig file for node actions (default: the in-cluster service account, else "
+           "KUBECONFIG or ~/.kube/config)", None, metavar="PATH"),
     Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
            Number(100, 10_000_000, whole=True), metavar="N"),
     Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0,
@@ -394,6 +407,8 @@ class Settings:
     logs_client_id: str | None
     policy: str | None
     dry_run: bool
+    node_name: str | None
+    kubeconfig: str | None
     outbox_max_records: int
     ready_window: float
     probe_lb_lead_time: float

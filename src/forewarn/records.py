@@ -21,6 +21,8 @@ from forewarn.tracker import Change, ChangeKind
 TYPE_PREFIX = "io.github.forewarn.scheduled_event"
 #: The change of the records the approver writes (the others are the tracker's ChangeKinds).
 APPROVED = "approved"
+#: The change of the records of Kubernetes node actions (one per action, and one per undo).
+NODE_ACTION = "node_action"
 CONTENT_TYPE = "application/json"
 SPEC_VERSION = "1.0"
 
@@ -95,6 +97,29 @@ def approval_record(event: Event, vm: VmInfo, rule: str, dry_run: bool, incarnat
     data["policy_rule"] = rule
     data["dry_run"] = dry_run
     return _record(APPROVED, event, incarnation, vm, at, data)
+
+
+def node_action_record(event: Event, vm: VmInfo, node: str, rule: str | None, action: str, result: str,
+                       detail: str, incarnation: int, at: datetime) -> Record:
+    """A `node_action` record: `action` on the Kubernetes node `node` for `event` ended with `result`
+    (ok, failed, dry_run); `detail` says what was done or why it failed. The id repeats for the same action
+    and result of the same event in the same document, so a restart that does it again is recognised."""
+    data = _event_data(NODE_ACTION, event, incarnation, vm)
+    data["node"] = node
+    data["action"] = action
+    data["result"] = result
+    data["detail"] = detail
+    data["dry_run"] = result == "dry_run"
+    if rule is not None:
+        data["policy_rule"] = rule
+    return Record(
+        id=record_id(vm.name, event.event_id, f"{NODE_ACTION}:{action}:{result}", incarnation),
+        source=record_source(vm),
+        type=f"{TYPE_PREFIX}.{NODE_ACTION}",
+        subject=event.event_id,
+        time=rfc3339(at),
+        data=data,
+    )
 
 
 def _event_data(change: str, event: Event, incarnation: int, vm: VmInfo) -> dict[str, Any]:

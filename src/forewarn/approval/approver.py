@@ -1,4 +1,4 @@
-"""Carry out the policy: run prepare hooks, elect the approving VM, have the Starter start events, confirm.
+"""Carry out the policy: act on the node, run prepare hooks, elect the approving VM, start events, confirm.
 
 Called after every good poll with the document and its changes. All slow work (hooks, the start request)
 runs on a small thread pool, so polling and metrics never wait for it; the next poll picks up the results.
@@ -6,6 +6,10 @@ Every approval, sent or dry-run, becomes an `approved` record naming the rule th
 
 Each event the approver has seen has one `Track`, whose `Stage` says how far it got; `Track.move` is the
 only place a stage changes, and `STAGES` lists every step it may take.
+
+A rule's node actions (cordon, drain, ...) run first, once per event, on the pool through the `NodeActor`
+(only for events that affect this VM); each outcome becomes a `node_action` record and a count. What they
+applied is undone when the event leaves the document, completed or cancelled.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
 
+from forewarn.approval.actor import ActionOutcome, NodeActor
 from forewarn.approval.hooks import run_hook
 from forewarn.approval.policy import Hook, Policy, Rule, decide
 from forewarn.approval.starter import Starter, StartError
 from forewarn.imds.document import Document, Event
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.records import Record, approval_record
+from forewarn.records import Record, approval_record, node_action_record
 from forewarn.retry import Backoff
 from forewarn.tracker import Change, ChangeKind, Outcome
 
@@ -41,7 +46,10 @@ class Stage(str, Enum):
     again at every poll (a reload, a window or the event itself may change the answer), so a hold is a
     decision, logged, not a stage."""
 
-    WAITING = "waiting"            # seen; not approved yet, and no prepare hook has run
+    WAITING = "waiting"            # seen; not approved yet, and no node action nor prepare hook has run
+    ACTING = "acting"              # its rule's node actions are running (a drain may take minutes)
+    ACTED = "acted"                # every node action succeeded: on to prepare hooks and the decision
+    ACT_FAILED = "act_failed"      # a node action failed: held, unless the rule says on_failure: approve
     PREPARING = "preparing"        # its rule's prepare hooks are running
     PREPARED = "prepared"          # the prepare hooks succeeded: approved when the policy allows
     HOOK_FAILED = "hook_failed"    # a prepare hook failed: held, unless the rule says on_hook_failure: approve
@@ -56,7 +64,10 @@ class Stage(str, Enum):
 
 #: Every step a stage may take. An event that leaves the document is simply forgotten, from any stage.
 STAGES: dict[Stage, frozenset[Stage]] = {
-    Stage.WAITING: frozenset({Stage.PREPARING, Stage.STARTING, Stage.DECIDED}),
+    Stage.WAITING: frozenset({Stage.ACTING, Stage.PREPARING, Stage.STARTING, Stage.DECIDED}),
+    Stage.ACTING: frozenset({Stage.ACTED, Stage.ACT_FAILED}),
+    Stage.ACTED: frozenset({Stage.PREPARING, Stage.STARTING, Stage.DECIDED}),
+    Stage.ACT_FAILED: frozenset({Stage.PREPARING, Stage.STARTING, Stage.DECIDED}),
     Stage.PREPARING: frozenset({Stage.PREPARED, Stage.HOOK_FAILED}),
     Stage.PREPARED: frozenset({Stage.STARTING, Stage.DECIDED}),
     Stage.HOOK_FAILED: frozenset({Stage.STARTING, Stage.DECIDED}),
@@ -86,14 +97,16 @@ class Track:
 
 
 #: Events the policy may still approve at this poll: the ones not approved yet, nor under way.
-_OPEN = (Stage.WAITING, Stage.PREPARED, Stage.HOOK_FAILED, Stage.START_FAILED)
+_OPEN = (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED, Stage.PREPARED, Stage.HOOK_FAILED, Stage.START_FAILED)
 
 
 class Approver:
     def __init__(self, policy: Policy, starter: Starter, metrics: Metrics,
                  record: Callable[[Sequence[Record]], None], dry_run: bool = False,
-                 clock: Callable[[], float] = time.time, workers: int = 4) -> None:
+                 clock: Callable[[], float] = time.time, workers: int = 4,
+                 actor: NodeActor | None = None) -> None:
         self.policy = policy
+        self.actor = actor            # carries out node actions; None without --node-name
         self.starter = starter
         self.metrics = metrics
         self.record = record
@@ -110,8 +123,11 @@ class Approver:
         self._approvals: collections.deque[float] = collections.deque()
         self._backoff = Backoff(base=2.0, cap=30.0)
         self._cap_logged = False
+        self._incarnation = 0
 
     def close(self) -> None:
+        if self.actor is not None:
+            self.actor.close()   # a drain under way stops waiting; the next start resumes it
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def replace_policy(self, policy: Policy, dry_run: bool = False) -> None:
@@ -151,9 +167,13 @@ class Approver:
         now = self.clock()
         records: list[Record] = []
         with self._lock:
+            self._incarnation = document.incarnation
             for change in changes:
                 if change.kind is ChangeKind.REMOVED:
                     self._tracks.pop(change.event.event_id, None)
+                    if self.actor is not None and change.event.affects(vm.name):
+                        # Also after a restart (no track): the node's annotation says what there is to undo.
+                        self._submit(self._undo, change.event, vm, change.incarnation)
                     if change.outcome is Outcome.COMPLETED and change.event.affects(vm.name) and self.policy.recover:
                         self._submit(self._run_hooks, self.policy.recover, "recover", change.event, vm, None)
             # One start request at a time: the answer to the one under way may change what to ask next.
@@ -200,8 +220,22 @@ class Approver:
             return None
         decision = decide(self.policy, event, vm.name, now, track.first_seen)
         rule = decision.rule
+        if rule is not None and rule.node and event.affects(vm.name):
+            if self.actor is None:
+                self._say(track, event, f"rule {rule.name} has node actions but no --node-name is set; holding",
+                          logging.WARNING)
+                return None
+            if track.stage is Stage.WAITING:
+                # Before prepare hooks and the decision: a hold rule acts too (Preempt: nothing to approve).
+                track.move(Stage.ACTING)
+                self._say(track, event, f"rule {rule.name}: {len(rule.node)} node action(s) on {self.actor.node}")
+                self._submit(self._act, rule, event, vm, track, self._incarnation)
+                return None
+            if track.stage is Stage.ACT_FAILED and rule.on_failure == "hold":
+                self._say(track, event, f"rule {rule.name}: a node action failed; holding", logging.WARNING)
+                return None
         prepares = rule is not None and rule.action == "approve" and bool(rule.prepare)
-        if prepares and event.affects(vm.name) and track.stage is Stage.WAITING:
+        if prepares and event.affects(vm.name) and track.stage in (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED):
             # Every affected VM prepares itself, leader or not: the leader's approval releases them all.
             assert rule is not None
             track.move(Stage.PREPARING)
@@ -262,6 +296,37 @@ class Approver:
             if result != "success":
                 return False
         return True
+
+    def _act(self, rule: Rule, event: Event, vm: VmInfo, track: Track, incarnation: int) -> None:
+        assert self.actor is not None
+        ok = False
+        try:
+            ok = self.actor.act(rule.node, event, self.dry_run, self._reporter(event, vm, rule.name, incarnation))
+        except Exception:  # a bug must not leave the event acting forever: it counts as a failed action
+            log.exception("node actions for event %s failed unexpectedly", event.event_id)
+        with self._lock:
+            if self._tracks.get(event.event_id) is track:
+                track.move(Stage.ACTED if ok else Stage.ACT_FAILED)
+
+    def _undo(self, event: Event, vm: VmInfo, incarnation: int) -> None:
+        assert self.actor is not None
+        try:
+            self.actor.undo(event.event_id, self.dry_run, self._reporter(event, vm, None, incarnation))
+        except Exception:
+            log.exception("undoing the node actions of event %s failed unexpectedly", event.event_id)
+
+    def _reporter(self, event: Event, vm: VmInfo, rule: str | None,
+                  incarnation: int) -> Callable[[ActionOutcome], None]:
+        """Counts and records each outcome as it comes (on the pool thread, outside the lock)."""
+        assert self.actor is not None
+        node = self.actor.node
+
+        def report(outcome: ActionOutcome) -> None:
+            self.metrics.node_actions.labels(outcome.action, outcome.result).inc()
+            at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+            self.record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
+                                            incarnation, at)])
+        return report
 
     def _prepare(self, rule: Rule, event: Event, vm: VmInfo, track: Track) -> None:
         ok = self._run_hooks(rule.prepare, "prepare", event, vm, rule.name)

@@ -36,6 +36,11 @@ from forewarn.yamlerrors import yaml_problem
 DEFAULT_IMPACTFUL = ("Reboot", "Redeploy", "Preempt", "Terminate")
 DEFAULT_STAGGER = 60.0
 DEFAULT_HOOK_TIMEOUT = 60.0
+NODE_ACTIONS = ("cordon", "taint", "label", "condition", "event", "drain")
+DEFAULT_NODE_KEY = "forewarn.io/scheduled-event"   # the default taint and label key
+DEFAULT_CONDITION = "ForewarnScheduledEvent"
+DEFAULT_DRAIN_TIMEOUT = 600.0
+DEFAULT_DRAIN_MARGIN = 5.0
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 
@@ -79,6 +84,42 @@ def _hide_urls(message: str, webhooks: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
+class NodeAction:
+    """One action on this Kubernetes node, with its options (those of other kinds keep their defaults)."""
+
+    kind: str                                  # one of NODE_ACTIONS
+    key: str = DEFAULT_NODE_KEY                # taint, label
+    value: str | None = None                   # taint, label; None: the event type
+    effect: str = "NoSchedule"                 # taint
+    condition_type: str = DEFAULT_CONDITION    # condition
+    reason: str = "ScheduledEvent"             # event
+    event_type: str = "Warning"                # event: Normal or Warning
+    timeout: float = DEFAULT_DRAIN_TIMEOUT     # drain: the longest it may take
+    margin: float = DEFAULT_DRAIN_MARGIN       # drain: done this long before NotBefore
+    grace: int | None = None                   # drain: the longest grace period a pod gets
+    delete_local_data: bool = False            # drain: evict pods with emptyDir volumes too
+    max_nodes: int = 1                         # drain: nodes draining at once, cluster-wide
+    lease_namespace: str | None = None         # drain: where the Leases of that cap live
+
+    def describe(self) -> str:
+        """The action as `policy explain` shows it."""
+        if self.kind == "taint":
+            return f"taint {self.key}={self.value or '<event type>'}:{self.effect}"
+        if self.kind == "label":
+            return f"label {self.key}={self.value or '<event type>'}"
+        if self.kind == "condition":
+            return f"condition {self.condition_type}"
+        if self.kind == "event":
+            return f"event {self.event_type} {self.reason}"
+        if self.kind == "drain":
+            extra = f", grace at most {self.grace} s" if self.grace else ""
+            local = ", evicting pods with local storage" if self.delete_local_data else ""
+            return (f"drain (within {self.timeout:g} s, done {self.margin:g} s before NotBefore{extra}{local}; "
+                    f"at most {self.max_nodes} node(s) draining at once)")
+        return self.kind
+
+
+@dataclass(frozen=True)
 class Match:
     event_type: frozenset[str] | None = None
     source: frozenset[str] | None = None
@@ -103,6 +144,8 @@ class Rule:
     on_hook_failure: str = "hold"
     delay: float = 0.0
     approve_within: float | None = None
+    node: tuple[NodeAction, ...] = ()
+    on_failure: str = "hold"                   # when a node action fails: hold, or approve all the same
 
 
 @dataclass(frozen=True)
@@ -133,6 +176,11 @@ class Policy:
     impactful_types: frozenset[str] = frozenset(DEFAULT_IMPACTFUL)
     recover: tuple[Hook, ...] = ()
     source: str = "<policy>"
+
+    @property
+    def uses_node_actions(self) -> bool:
+        """Whether any rule acts on the Kubernetes node (only then is a Kubernetes client needed)."""
+        return any(rule.node for rule in self.rules)
 
 
 @dataclass(frozen=True)
@@ -217,6 +265,18 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return f"{error.instance!r} is not valid; valid: {', '.join(map(str, values))}"
     if error.validator == "required":
         return error.message.replace("is a required property", "is required")
+    if error.validator == "pattern" and where[-2:] == ["condition", "type"]:
+        return (f"{error.instance!r} must start with Forewarn: forewarn writes only its own condition, never "
+                "another component's (such as VMEventScheduled)")
+    if error.validator == "pattern" and where[-1:] in (["key"], ["value"]) and "node" in where:
+        return (f"{error.instance!r} is not a valid Kubernetes {where[-1]}; valid: letters, digits, '-', '_', '.' "
+                "(at most 63, starting and ending with a letter or digit), a key optionally prefixed by a DNS name "
+                "and '/'")
+    if error.validator == "pattern" and where[-1:] == ["reason"]:
+        return f"{error.instance!r} is not a valid reason; valid: CamelCase letters and digits, e.g. NodeDraining"
+    if error.validator == "oneOf" and "node" in where:
+        return (f"{error.instance!r} is not a node action; valid: {', '.join(NODE_ACTIONS)}, alone or as a "
+                "mapping of the name to its options, e.g. {drain: {timeout: 300}}")
     if error.validator == "oneOf" and isinstance(error.instance, dict):
         return "a hook needs either 'command' (a list of arguments) or 'webhook' (an http(s) URL), with " \
                "optional 'name' and 'timeout'; a command may also list 'env' (names of variables to pass)"
@@ -389,6 +449,11 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands:
             raise fail(["rules", index, "match", "description"], f"not a valid regular expression ({exc})") from None
     if raw["action"] == "hold" and (raw.get("prepare") or "delay" in raw or "approve_within" in raw):
         raise fail(["rules", index, "action"], "prepare, delay and approve_within only apply to approve rules")
+    if "on_failure" in raw and not raw.get("node"):
+        raise fail(["rules", index, "on_failure"], "on_failure applies to the rule's node actions; this rule has none")
+    if raw["action"] == "hold" and raw.get("on_failure") == "approve":
+        raise fail(["rules", index, "on_failure"], "a hold rule never approves; on_failure: approve needs action: "
+                   "approve")
     return Rule(
         name=raw["name"],
         action=raw["action"],
@@ -411,7 +476,21 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands:
         on_hook_failure=raw.get("on_hook_failure", "hold"),
         delay=float(raw.get("delay", 0)),
         approve_within=raw.get("approve_within"),
+        node=tuple(_node_action(item) for item in raw.get("node", [])),
+        on_failure=raw.get("on_failure", "hold"),
     )
+
+
+def _node_action(raw: str | Mapping[str, Any]) -> NodeAction:
+    """A node action from its policy form (checked by the schema): a name, or {name: {options}}."""
+    if isinstance(raw, str):
+        return NodeAction(kind=raw)
+    kind, options = next(iter(raw.items()))
+    names = {"type": "condition_type" if kind == "condition" else "event_type"}
+    values = {names.get(key, key): value for key, value in (options or {}).items()}
+    if "timeout" in values or "margin" in values:
+        values.update({k: float(values[k]) for k in ("timeout", "margin") if k in values})
+    return NodeAction(kind=kind, **values)
 
 
 # --- deciding ---------------------------------------------------------------------------------

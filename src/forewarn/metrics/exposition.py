@@ -27,6 +27,9 @@ from forewarn.outbox.store import Backlog
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
 HOOK_RESULTS = ("success", "failure", "timeout", "error")
+#: Kubernetes node actions (the policy's, and `undo` once the event has left) and their results.
+NODE_ACTIONS = ("cordon", "taint", "label", "condition", "event", "drain", "undo")
+NODE_ACTION_RESULTS = ("ok", "failed", "dry_run")
 
 _EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the very end
 
@@ -86,6 +89,16 @@ class Metrics:
             "Unix time of the last successful load of --policy (0 without a policy).", registry=r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=r)
+        self.node_actions = Counter(
+            "azure_scheduled_events_node_actions_total", "Kubernetes node actions carried out, by action and result.",
+            ["action", "result"], registry=r)
+        self.node_drains = Gauge(
+            "azure_scheduled_events_node_drains_in_progress",
+            "Drains of this Kubernetes node under way (0 or 1; sum over a cluster for the nodes draining).",
+            registry=r)
+        for action in NODE_ACTIONS:
+            for result in NODE_ACTION_RESULTS:
+                self.node_actions.labels(action, result)
         for hook in ("prepare", "recover"):
             for result in HOOK_RESULTS:
                 self.hook_runs.labels(hook, result)

@@ -1,0 +1,47 @@
+"""What acts on the node an event is about to hit: the approver's seam for Kubernetes node actions.
+
+The approver decides *when* a rule's node actions run (before its approval decision, once per event) and
+records each outcome; a NodeActor carries them out. `forewarn.node.KubeNodeActor` does it through the
+Kubernetes API; only a policy with node actions loads it, so the client library stays out of every other run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from forewarn.approval.policy import NodeAction
+from forewarn.imds.document import Event
+from forewarn.metrics.exposition import NODE_ACTION_RESULTS as ACTION_RESULTS
+from forewarn.metrics.exposition import NODE_ACTIONS as ACTION_NAMES
+
+__all__ = ["ACTION_NAMES", "ACTION_RESULTS", "ActionOutcome", "NodeActor", "Report"]
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    """One action carried out (or not). `detail` says what was done or why it failed; safe to log."""
+
+    action: str    # one of ACTION_NAMES
+    result: str    # one of ACTION_RESULTS
+    detail: str
+
+
+Report = Callable[[ActionOutcome], None]
+
+
+class NodeActor(Protocol):
+    node: str  # the Kubernetes node acted on
+
+    def act(self, actions: Sequence[NodeAction], event: Event, dry_run: bool, report: Report) -> bool:
+        """Carry out `actions` in order for `event`, reporting each outcome as it comes; stops at the first
+        failure. True when every action succeeded. Running again for the same event (after a restart) must
+        pick up what was done rather than do it twice. `dry_run`: read, decide and report, write nothing."""
+
+    def undo(self, event_id: str, dry_run: bool, report: Report) -> None:
+        """Remove what `act` applied for `event_id` (and nothing another party applied); reports one
+        `undo` outcome when there was anything to undo."""
+
+    def close(self) -> None:
+        """Stop waiting (a drain in progress gives up at once) and release the client."""

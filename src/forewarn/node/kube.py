@@ -1,0 +1,55 @@
+"""The Kubernetes client forewarn's node actions use (lightkube: see docs/kubernetes.md for the choice),
+and the one place its errors become messages people can act on.
+
+Importing this module imports lightkube; only `forewarn.node` does, and only when a policy has node actions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from lightkube import ApiError, Client, KubeConfig
+from lightkube import ConfigError as KubeConfigError
+
+#: Where a pod finds its service account (the in-cluster configuration).
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+FIELD_MANAGER = "forewarn"
+
+
+class KubeError(Exception):
+    """A Kubernetes API request failed. The message names the request and the reason, never a token."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def make_client(kubeconfig: str | None, timeout: float = 10.0) -> Client:
+    """A client from `kubeconfig` (a file), else the in-cluster service account, else KUBECONFIG or
+    ~/.kube/config. Raises KubeError when none is usable."""
+    try:
+        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+        return Client(config, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout))
+    except (KubeConfigError, OSError, ValueError, KeyError) as exc:
+        where = f"--kubeconfig {kubeconfig}" if kubeconfig else \
+            "no in-cluster service account, KUBECONFIG or ~/.kube/config"
+        raise KubeError(f"{where}: cannot load a Kubernetes configuration ({type(exc).__name__}: {exc})") \
+            from None
+
+
+def explain(exc: Exception, doing: str) -> KubeError:
+    """`exc`, raised while `doing` (e.g. "patch node aks-1"), as a KubeError with a message to act on."""
+    if isinstance(exc, ApiError):
+        status: Any = exc.status
+        code = int(getattr(status, "code", 0) or exc.response.status_code)
+        reason = getattr(status, "reason", None) or ""
+        message = getattr(status, "message", None) or ""
+        if code == 403:
+            return KubeError(f"{doing}: forbidden (403): {message or reason}; forewarn's service account needs the "
+                             "ClusterRole of deploy/kubernetes/components/node-actions", code)
+        return KubeError(f"{doing}: {code} {reason}: {message}".rstrip(": "), code)
+    if isinstance(exc, httpx2.HTTPError):
+        return KubeError(f"{doing}: cannot reach the Kubernetes API ({type(exc).__name__}: {exc})")
+    return KubeError(f"{doing}: {type(exc).__name__}: {exc}")
