@@ -17,6 +17,7 @@ bench: setup
 	$(PYTHON) bench/forwarding.py
 	$(PYTHON) bench/soak.py
 	$(PYTHON) bench/hostile.py
+	$(PYTHON) bench/tls.py
 	$(PYTHON) bench/report.py | tee bench/results/report.md
 
 # A smoke run of the same (about 15 minutes): small samples, figures not for publishing.
@@ -26,4 +27,5 @@ bench-quick: setup
 	$(PYTHON) bench/forwarding.py --records 2000
 	$(PYTHON) bench/soak.py --hours 2 --minutes 3 --kill-every 40
 	$(PYTHON) bench/hostile.py --quick
+	$(PYTHON) bench/tls.py --quick
 	$(PYTHON) bench/report.py
