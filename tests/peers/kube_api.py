@@ -257,6 +257,28 @@ def _resolve(schema: JSON | None) -> JSON | None:
     return None
 
 
+_TIME = "io.k8s.apimachinery.pkg.apis.meta.v1.Time"
+_MICRO_TIME = "io.k8s.apimachinery.pkg.apis.meta.v1.MicroTime"
+
+
+def normalize_times(value: Any, schema: JSON | None) -> Any:
+    """Times as the API server writes them back: a Time in whole seconds, a MicroTime with exactly six digits
+    of fraction, both in UTC with `Z` (it decodes them into Go times and encodes them again)."""
+    ref = (schema or {}).get("$ref", "")
+    if isinstance(value, str) and ref.endswith((_TIME, _MICRO_TIME)):
+        parsed = datetime.datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
+        utc = parsed.astimezone(datetime.timezone.utc)
+        return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if ref.endswith(_MICRO_TIME) else "%Y-%m-%dT%H:%M:%SZ")
+    resolved = _resolve(schema) if schema is not None else None
+    if resolved is None:
+        return value
+    if isinstance(value, dict):
+        return {k: normalize_times(v, _field_schema(resolved, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalize_times(v, resolved.get("items")) for v in value]
+    return value
+
+
 def _field_schema(schema: JSON | None, key: str) -> JSON | None:
     schema = _resolve(schema)
     if schema is None:
@@ -384,8 +406,9 @@ _KIND_CHECKS: dict[str, Callable[[JSON], list[tuple[str, str]]]] = {
     "Node": _node_errors, "Event": _event_errors, "Lease": _lease_errors}
 
 
-def validate(obj: JSON) -> None:
-    """Raise 422 Invalid unless `obj` passes the schema and the API server's checks."""
+def validate(obj: JSON) -> JSON:
+    """Raise 422 Invalid unless `obj` passes the schema and the API server's checks; return it as the server
+    would store it (times normalized)."""
     errors = schema_errors(obj)
     if not errors:  # a body that breaks the schema may not have the shapes the checks below expect
         errors = _metadata_errors(obj) + _KIND_CHECKS.get(obj["kind"], lambda _: [])(obj)
@@ -393,6 +416,7 @@ def validate(obj: JSON) -> None:
         meta = obj.get("metadata") or {}
         group = obj["apiVersion"].rpartition("/")[0]
         raise invalid(obj["kind"], group, str(meta.get("name") or meta.get("generateName") or ""), errors)
+    return normalize_times(obj, _top_schema(obj["apiVersion"], obj["kind"]))  # type: ignore[no-any-return]
 
 
 # --- patches -------------------------------------------------------------------------------------------
@@ -901,7 +925,7 @@ class KubeApi:
         with self._lock:
             node = copy.deepcopy(self._objects[("nodes", "", name)])
             change(node)
-            validate(node)
+            node = validate(node)
             self._objects[("nodes", "", name)] = node
             self._bump(node)
 
@@ -943,7 +967,7 @@ class KubeApi:
         meta = obj["metadata"]
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", _now())
-        validate(obj)  # the stand-in's own objects are real ones too
+        obj = validate(obj)  # the stand-in's own objects are real ones too
         with self._lock:
             self._objects[(kind.plural, meta.get("namespace", ""), meta["name"])] = obj
             self._bump(obj)
@@ -1151,7 +1175,8 @@ class KubeApi:
             raise ApiError(500, "resourceVersion should not be set on objects to be created")
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = _now()
-        validate(obj)
+        obj = validate(obj)
+        meta = obj["metadata"]
         key = (kind.plural, target.namespace, meta["name"])
         if key in self._objects:
             raise ApiError(409, f'{kind.group_resource} "{meta["name"]}" already exists', "AlreadyExists",
@@ -1229,7 +1254,7 @@ class KubeApi:
             new.pop("status", None)
             if "status" in current:
                 new["status"] = copy.deepcopy(current["status"])
-        validate(new)
+        new = validate(new)
         new["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         if new == current or dry:
             return _Reply(200, new)
