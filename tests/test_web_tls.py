@@ -168,10 +168,11 @@ def test_basic_auth_over_tls_takes_the_right_password_and_refuses_others_with_40
         refused = get(server, "/metrics", context, auth)
         assert refused.status == 401, auth
         assert refused.getheader("WWW-Authenticate", "").startswith("Basic"), auth
-    # Every path is behind the password, unknown ones too (no telling which exist), but the drain probe.
+    # Every path is behind the password, unknown ones too (no telling which exist), but the probes.
     assert get(server, "/nowhere", context).status == 401
-    assert get(server, "/healthz", context).status == 401
-    assert get(server, "/probe/lb", context).status == 200
+    assert get(server, "/", context).status == 401
+    for public in ("/healthz", "/readyz", "/probe/lb"):
+        assert get(server, public, context).status == 200, public
     # Repeated scrapes with the same credentials pay bcrypt once.
     before = gate.auth.bcrypt_calls
     for _ in range(5):

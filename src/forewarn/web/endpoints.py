@@ -2,8 +2,9 @@
 balancer's drain probe) and a landing page.
 
 Each is one handler registered with the HttpServer (web/server.py), which owns the limits, the threads,
-TLS and authentication; a new endpoint is one more `server.route(...)`. /probe/lb is the one public
-route: Azure Load Balancer and Application Gateway probes send no credentials.
+TLS and authentication; a new endpoint is one more `server.route(...)`. Only /metrics and the landing
+page need credentials when basic auth is configured: /healthz, /readyz and /probe/lb are public routes,
+since kubelet, Azure Load Balancer and Application Gateway probes send none.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def add_metrics_endpoints(server: HttpServer, render: Callable[[str], tuple[byte
         return Response(200 if is_ready else 503, (reason + "\n").encode())
 
     server.route("/metrics", metrics)
-    server.route("/healthz", lambda request: Response(200, b"ok\n"))
-    server.route("/readyz", ready)
+    # Public, like /probe/lb: kubelet and load balancer probes send no credentials (a 401 would restart the
+    # pod), and they tell no more than kube-apiserver's own /healthz and /readyz tell anonymous users.
+    server.route("/healthz", lambda request: Response(200, b"ok\n"), public=True)
+    server.route("/readyz", ready, public=True)
     server.route("/", lambda request: Response(200, _LANDING, "text/html; charset=utf-8"))
 
 
