@@ -138,3 +138,44 @@ def test_aks_overlay_reads_the_event_hubs_secret_from_a_file() -> None:
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     assert path.startswith(mounts["eventhubs"])
     assert {"name": "eventhubs", "secret": {"secretName": "forewarn-eventhubs", "defaultMode": 0o440}} in pod["volumes"]
+
+
+def web_tls_overlay(tmp_path: Path) -> str:
+    """An overlay of base with the web-tls component (kustomize takes only relative paths to them)."""
+    import os
+
+    overlay = tmp_path / "web-tls"
+    overlay.mkdir()
+    relative = {name: os.path.relpath(KUSTOMIZE / name, overlay) for name in ("base", "components/web-tls")}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [relative["base"]], "components": [relative["components/web-tls"]]}))
+    return str(overlay)
+
+
+def test_the_web_tls_component_validates_and_wires_the_secret_the_config_and_https(tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    docs = build(web_tls_overlay(tmp_path))
+    for doc in docs:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    result = validate_crds(yaml.safe_dump_all(docs))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    (container,) = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    pod = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert env["FOREWARN_WEB_CONFIG_FILE"] == mounts["web-config"] + "/web.yml"
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "forewarn-web-config"]
+    assert volumes["web-config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    web = yaml.safe_load(config_map["data"]["web.yml"])["tls_server_config"]
+    assert volumes["web-tls"]["secret"]["secretName"] == "forewarn-web-tls"
+    assert web["cert_file"] == mounts["web-tls"] + "/tls.crt" and web["key_file"] == mounts["web-tls"] + "/tls.key"
+    assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    endpoint = by_kind(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "forewarn-web-tls", "key": "ca.crt"}
