@@ -498,3 +498,33 @@ def test_deletes_answer_as_the_api_server_does(kube: KubeApi, tmp_path: Path) ->
         client.delete(Lease, "cap", namespace="forewarn")
     assert gone.value.status.code == 404
     assert gone.value.status.message == 'leases.coordination.k8s.io "cap" not found'
+
+
+def test_node_label_selectors_and_missing_namespaces(tmp_path: Path) -> None:
+    with KubeApi(namespaces=["forewarn"]) as api:
+        api.add_node("node-1", labels={"agentpool": "spot", "kubernetes.azure.com/scalesetpriority": "spot"})
+        api.add_node("node-2", labels={"agentpool": "system"})
+        api.add_node("node-3", labels={})
+        client = lightkube_client(api, tmp_path)
+
+        def names(selector: str) -> list[str]:
+            answer = raw(api, "GET", "/api/v1/nodes", labelSelector=selector)
+            assert answer.status_code == 200, answer.text
+            return [n["metadata"]["name"] for n in answer.json()["items"]]
+
+        assert names("agentpool=spot") == ["node-1"]
+        assert names("agentpool!=spot") == ["node-2", "node-3"]
+        assert names("agentpool in (spot,system),!kubernetes.azure.com/scalesetpriority") == ["node-2"]
+        assert names("agentpool") == ["node-1", "node-2"]
+        assert [n.metadata.name for n in client.list(Node, labels={"agentpool": "system"})] == ["node-2"]
+        assert raw(api, "GET", "/api/v1/nodes", labelSelector="agentpool in spot").status_code == 400
+        assert raw(api, "GET", "/api/v1/nodes", watch="true").status_code == 400  # no watch in the stand-in
+
+        lease = Lease(metadata=ObjectMeta(name="cap", namespace="forewarn-system"), spec=LeaseSpec())
+        with pytest.raises(ApiError) as missing:
+            client.create(lease)
+        assert (missing.value.status.code, missing.value.status.message) == (
+            404, 'namespaces "forewarn-system" not found')
+        lease.metadata.namespace = "forewarn"
+        client.create(lease)
+        assert [le["metadata"]["namespace"] for le in api.leases()] == ["forewarn"]

@@ -34,6 +34,12 @@ Where it differs from a real API server, on purpose (all in the direction of cat
 - PodDisruptionBudget status is not computed by a controller: disruptionsAllowed starts at
   max_unavailable, each eviction takes one, and `set_pdb_allowed` sets it.
 
+Interface: as /work/briefs/k8s-standin.md gives it, nothing changed. Added: KubeApi(namespaces=, grace_scale=,
+clock=) and use as a context manager; kubeconfig(admin=, namespace=); add_node(conditions=, provider_id=);
+add_pod(phase=); pod(), pdb(), update_node(); fail_next(message=); Request.json(); `namespace_pods` is
+accepted and unused. An eviction's deleteOptions.gracePeriodSeconds replaces the pod's own grace period,
+longer or shorter, as the API server does.
+
 Use:
     api = KubeApi(cluster_role=Path("deploy/.../clusterrole.yaml"))
     api.add_node("node-1"); api.add_pod("default", "web-1", "node-1", labels={"app": "web"})
@@ -411,7 +417,8 @@ def validate(obj: JSON) -> JSON:
     would store it (times normalized)."""
     errors = schema_errors(obj)
     if not errors:  # a body that breaks the schema may not have the shapes the checks below expect
-        errors = _metadata_errors(obj) + _KIND_CHECKS.get(obj["kind"], lambda _: [])(obj)
+        kind_check = _KIND_CHECKS.get(obj["kind"])
+        errors = _metadata_errors(obj) + (kind_check(obj) if kind_check else [])
     if errors:
         meta = obj.get("metadata") or {}
         group = obj["apiVersion"].rpartition("/")[0]
@@ -562,7 +569,7 @@ def _index(container: list[Any], token: str, *, append: bool = False) -> int:
     return index
 
 
-def _parent(doc: Any, tokens: list[str], path: str) -> Any:
+def _parent(doc: Any, tokens: list[str], path: Any) -> Any:
     node = doc
     for token in tokens[:-1]:
         if isinstance(node, dict) and token in node:
@@ -574,7 +581,7 @@ def _parent(doc: Any, tokens: list[str], path: str) -> Any:
     return node
 
 
-def _get(doc: Any, path: str) -> Any:
+def _get(doc: Any, path: Any) -> Any:
     tokens = _pointer(path)
     if not tokens:
         return doc
@@ -586,7 +593,7 @@ def _get(doc: Any, path: str) -> Any:
     raise PatchError(f"doc is missing path: {path}", 422)
 
 
-def _add(doc: Any, path: str, value: Any) -> Any:
+def _add(doc: Any, path: Any, value: Any) -> Any:
     tokens = _pointer(path)
     if not tokens:
         return value
@@ -600,7 +607,7 @@ def _add(doc: Any, path: str, value: Any) -> Any:
     return doc
 
 
-def _remove(doc: Any, path: str) -> Any:
+def _remove(doc: Any, path: Any) -> Any:
     tokens = _pointer(path)
     if not tokens:
         raise PatchError("cannot remove the whole document", 422)
@@ -713,27 +720,25 @@ def _split_selector(text: str) -> list[str]:
 
 def label_matcher(selector: str) -> Callable[[Mapping[str, str]], bool]:
     """A label selector as `kubectl -l` takes it: k=v, k==v, k!=v, k, !k, k in (a,b), k notin (a,b)."""
-    tests: list[Callable[[Mapping[str, str]], bool]] = []
+    tests: list[tuple[str, str, frozenset[str]]] = []  # (key, operator, values)
     for term in _split_selector(selector):
         if m := re.fullmatch(r"([^\s=!]+)\s+(in|notin)\s+\(([^)]*)\)", term):
-            key, op, values = m[1], m[2], {v.strip() for v in m[3].split(",")}
-            if op == "in":
-                tests.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
-            else:
-                tests.append(lambda labels, k=key, vs=values: labels.get(k) not in vs)
+            tests.append((m[1], m[2], frozenset(v.strip() for v in m[3].split(","))))
         elif m := re.fullmatch(r"([^\s=!]+)\s*(==|=|!=)\s*([^\s=!,]*)", term):
-            key, op, value = m[1], m[2], m[3]
-            if op == "!=":
-                tests.append(lambda labels, k=key, v=value: labels.get(k) != v)
-            else:
-                tests.append(lambda labels, k=key, v=value: labels.get(k) == v)
+            tests.append((m[1], "notin" if m[2] == "!=" else "in", frozenset([m[3]])))
         elif m := re.fullmatch(r"!\s*([^\s=!]+)", term):
-            tests.append(lambda labels, k=m[1]: k not in labels)
+            tests.append((m[1], "!", frozenset()))
         elif re.fullmatch(r"[^\s=!(),]+", term):
-            tests.append(lambda labels, k=term: k in labels)
+            tests.append((term, "exists", frozenset()))
         else:
             raise ApiError(400, f"unable to parse requirement: {term!r}")
-    return lambda labels: all(test(labels) for test in tests)
+
+    def test(labels: Mapping[str, str], key: str, op: str, values: frozenset[str]) -> bool:
+        if op == "exists" or op == "!":
+            return (key in labels) == (op == "exists")
+        return (labels.get(key) in values) == (op == "in")  # notin and != also match a missing label
+
+    return lambda labels: all(test(labels, *t) for t in tests)
 
 
 def _field_value(obj: JSON, label: str) -> str:
@@ -800,13 +805,16 @@ class _Reply:
 class KubeApi:
     """The stand-in server, started on construction; `stop()` ends it. See the module docstring."""
 
-    def __init__(self, cluster_role: Path | None = None, *, namespace_pods: Iterable[str] = (),
-                 grace_scale: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cluster_role: Path | None = None, *, namespace_pods: object = None,
+                 namespaces: Iterable[str] | None = None, grace_scale: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`cluster_role`: the ClusterRole YAML (or a directory of YAML files) whose rules decide 403; None
-        allows everything. `namespace_pods`: namespaces to report in discovery (informational).
-        `grace_scale`: a deleted pod goes away after its grace period times this, on `clock` (seconds)."""
+        allows everything. `namespace_pods`: reserved by the shared interface, unused. `namespaces`: the
+        namespaces that exist (with default and kube-system): creating anything elsewhere is 404 `namespaces
+        "x" not found`, as on a real cluster; None: every namespace exists. `grace_scale`: a deleted pod goes
+        away after its grace period times this, in seconds of `clock` (0: at once)."""
         self.rules = load_rules(cluster_role) if cluster_role is not None else None
-        self.namespaces = list(namespace_pods)
+        self.namespaces = None if namespaces is None else {"default", "kube-system", *namespaces}
         self.grace_scale = grace_scale
         self.clock = clock
         self.requests: list[Request] = []
@@ -816,8 +824,9 @@ class KubeApi:
         self._failures: list[_Failure] = []
         self._version = 0
         self._lock = threading.RLock()
-        self._server = HttpServer("127.0.0.1", 0, max_body_bytes=MAX_BODY_BYTES, max_request_bytes=65536,
-                                  name="kube-api", server_version="kube-api-stand-in")
+        # A long read timeout: it also ends idle keep-alive connections, which clients reuse between calls.
+        self._server = HttpServer("127.0.0.1", 0, read_timeout=300.0, max_body_bytes=MAX_BODY_BYTES,
+                                  max_request_bytes=65536, name="kube-api", server_version="kube-api-stand-in")
         self._server.route("/", self._serve, methods=None, prefix=True)
         self._server.start()
         self.url = self._server.url
@@ -969,6 +978,8 @@ class KubeApi:
         meta.setdefault("creationTimestamp", _now())
         obj = validate(obj)  # the stand-in's own objects are real ones too
         with self._lock:
+            if self.namespaces is not None and meta.get("namespace"):
+                self.namespaces.add(meta["namespace"])
             self._objects[(kind.plural, meta.get("namespace", ""), meta["name"])] = obj
             self._bump(obj)
 
@@ -1159,6 +1170,9 @@ class KubeApi:
 
     def _create(self, request: Request, target: _Target, dry: bool) -> _Reply:
         kind = target.kind
+        if self.namespaces is not None and kind.namespaced and target.namespace not in self.namespaces:
+            raise ApiError(404, f'namespaces "{target.namespace}" not found', "NotFound",
+                           {"name": target.namespace, "kind": "namespaces"})
         obj = self._body(request, kind)
         meta = obj.setdefault("metadata", {})
         if kind.namespaced:
@@ -1211,7 +1225,7 @@ class KubeApi:
             raise ApiError(error.code, str(error)) from None
         if not isinstance(result, dict):
             raise ApiError(422, "the patched object is not a JSON object")
-        return result  # type: ignore[no-any-return]
+        return result
 
     def _write(self, target: _Target, current: JSON, new: JSON, dry: bool, *, check_version: bool) -> _Reply:
         """An update or a patch: the checks the API server makes, then the new object stored (or not)."""
@@ -1266,7 +1280,12 @@ class KubeApi:
         kind = target.kind
         options: JSON = {}
         if request.body:
-            options = json.loads(request.body)
+            try:
+                options = json.loads(request.body)
+            except ValueError as error:
+                raise ApiError(400, f"the DeleteOptions could not be decoded: {error}") from None
+            if not isinstance(options, dict):
+                raise ApiError(400, "the DeleteOptions must be a JSON object")
         preconditions = options.get("preconditions") or {}
         if preconditions.get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
             raise conflict(kind, target.name)
