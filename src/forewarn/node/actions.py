@@ -27,7 +27,7 @@ from lightkube.types import PatchType
 from forewarn.approval.actor import ActionOutcome, Report
 from forewarn.approval.policy import NodeAction
 from forewarn.imds.document import Event
-from forewarn.node.kube import KubeError, explain
+from forewarn.node.kube import KubeError, Stopped, explain
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class KubeNodeActor:
         for action in actions:
             try:
                 detail = self._one(action, event, dry_run)
+            except Stopped as exc:
+                log.info("node %s, event %s: %s", self.node, event.event_id, exc)
+                return False
             except KubeError as exc:
                 log.error("node %s, event %s: %s failed: %s", self.node, event.event_id, action.kind, exc)
                 report(ActionOutcome(action.kind, "failed", str(exc)))

@@ -28,7 +28,7 @@ from lightkube.resources.core_v1 import Pod, PodEviction
 from forewarn.approval.policy import NodeAction
 from forewarn.imds.document import Event
 from forewarn.node.actions import ledger_of, rfc3339
-from forewarn.node.kube import KubeError, explain
+from forewarn.node.kube import KubeError, Stopped, explain
 
 if TYPE_CHECKING:
     from forewarn.node.actions import KubeNodeActor
@@ -233,7 +233,7 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
             raise KubeError(f"no drain slot came free before the deadline (at most {action.max_nodes} node(s) "
                             f"drain at once; draining: {slot.busy})")
         if actor.stopping.wait(actor.poll):
-            raise KubeError("stopped while waiting for a drain slot")
+            raise Stopped("stopped while waiting for a drain slot")
     if not earlier:
         actor.record(event.event_id, "drain", {"started": rfc3339(start), "deadline": deadline, "lease": slot.name},
                      dry_run=False)
@@ -273,7 +273,7 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
                 raise KubeError(f"drain deadline passed with pods left: {progress}"
                                 + (f"; not evicted (local storage): {', '.join(sorted(local))}" if local else ""))
             if actor.stopping.wait(actor.poll):
-                raise KubeError("stopped in the middle of the drain; the next start resumes it")
+                raise Stopped("stopped in the middle of the drain; the next start resumes it")
         actor.record(event.event_id, "drain", {"started": (earlier or {}).get("started", rfc3339(start)),
                                                "deadline": deadline, "done": True}, dry_run=False)
         slot.release()

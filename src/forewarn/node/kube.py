@@ -26,6 +26,10 @@ class KubeError(Exception):
         self.code = code
 
 
+class Stopped(KubeError):
+    """forewarn is stopping: the work under way is left for the next start to resume (not a failure)."""
+
+
 def make_client(kubeconfig: str | None, timeout: float = 10.0) -> Client:
     """A client from `kubeconfig` (a file), else the in-cluster service account, else KUBECONFIG or
     ~/.kube/config. Raises KubeError when none is usable."""
