@@ -29,14 +29,17 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize("target", ["base", "overlays/aks"])
-def test_every_core_object_validates_strictly(target: str) -> None:
+NODE_ACTIONS = ["ClusterRole", "ClusterRoleBinding", "NetworkPolicy"]  # components/node-actions
+
+
+@pytest.mark.parametrize(("target", "extra"), [("base", []), ("overlays/aks", NODE_ACTIONS)])
+def test_every_core_object_validates_strictly(target: str, extra: list[str]) -> None:
     import kubernetes_validate
 
     docs = build(target)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Namespace", "ServiceAccount", "ConfigMap", "Service", "PriorityClass", "DaemonSet",
-                            "NetworkPolicy", "ServiceMonitor", "PrometheusRule"])
+                            "NetworkPolicy", "ServiceMonitor", "PrometheusRule", *extra])
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # Prometheus Operator objects: validated against the CRD schemas below
@@ -179,3 +182,28 @@ def test_the_web_tls_component_validates_and_wires_the_secret_the_config_and_htt
     endpoint = by_kind(docs, "ServiceMonitor")["spec"]["endpoints"][0]
     assert endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "forewarn-web-tls", "key": "ca.crt"}
+
+
+def test_node_actions_component_grants_least_privilege_and_passes_the_node_name() -> None:
+    from forewarn.approval.policy import parse_policy
+
+    docs = build("overlays/aks")
+    role, binding = by_kind(docs, "ClusterRole"), by_kind(docs, "ClusterRoleBinding")
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("", "nodes", "get"), ("", "nodes", "patch"), ("", "nodes/status", "patch"),
+                       ("", "pods", "list"), ("", "pods/eviction", "create"), ("events.k8s.io", "events", "create"),
+                       ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+                       ("coordination.k8s.io", "leases", "update")}
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    daemonset = by_kind(docs, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": daemonset["metadata"]["namespace"]}]
+    assert pod["automountServiceAccountToken"] is True
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["FOREWARN_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    policy = parse_policy(by_kind(docs, "ConfigMap")["data"]["policy.yaml"])
+    acting = {rule.name: [a.kind for a in rule.node] for rule in policy.rules if rule.node}
+    assert "drain" in acting["reboot"] and "drain" in acting["spot-eviction-and-terminate"]
+    assert [d["metadata"]["namespace"] for d in docs if d["kind"] == "NetworkPolicy"] == ["forewarn", "forewarn"]
