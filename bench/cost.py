@@ -9,7 +9,7 @@
   second), while the poll cadence is measured at the simulator (jitter = how far each gap between
   polls is from the interval).
 
-    python bench/cost.py [--quick]
+    python bench/cost.py [--quick] [--only steady|scrape]
 
 Results are printed and written to bench/results/cost.json.
 """
@@ -190,14 +190,19 @@ def scrape(scrapes: int, seconds: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke check")
+    parser.add_argument("--only", choices=["steady", "scrape"],
+                        help="run one part (steady: CPU per poll and RSS; scrape: /metrics and cadence)")
     args = parser.parse_args()
     random.seed(5)
     seconds, scrapes, busy = (10.0, 200, 8.0) if args.quick else (60.0, 2000, 30.0)
     results: dict[str, Any] = header()
-    results["steady_1_poll_per_s"] = steady(1.0, seconds)
-    results["steady_5_polls_per_s"] = steady(0.2, seconds / 2)
-    results["scrape"] = scrape(scrapes, busy)
-    write_results("cost", results)
+    if args.only in (None, "steady"):
+        results["steady_1_poll_per_s"] = steady(1.0, seconds)
+        results["steady_5_polls_per_s"] = steady(0.2, seconds / 2)
+    if args.only in (None, "scrape"):
+        results["scrape"] = scrape(scrapes, busy)
+    # a partial run gets its own file, so that report.py never reads half a result as the whole
+    write_results("cost" if args.only is None else f"cost-{args.only}", results)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,23 @@ from pathlib import Path
 from conftest import SimulatorHandle, free_port
 
 PROBE = """
-import os, signal, sys, threading, time
+import os, re, signal, sys, threading, time, urllib.request
+
+def polls():
+    try:
+        text = urllib.request.urlopen('http://{listen}/metrics', timeout=1).read().decode()
+    except OSError:
+        return 0
+    found = re.search(r'azure_scheduled_events_imds_requests_total[{{][^}}]*code="200"[^}}]*[}}] (\\S+)', text)
+    return float(found.group(1)) if found else 0
 
 def report():
-    time.sleep(2.5)  # the agent is polling by now
+    deadline = time.monotonic() + 30
+    while polls() < 2 and time.monotonic() < deadline:  # two whole polls: everything a poll uses is loaded
+        time.sleep(0.05)
     loaded = sorted(m for m in sys.modules
                     if m.split('.')[0] in ('yaml', 'jsonschema', 'requests') or m.startswith('forewarn.approval'))
-    print(','.join(loaded), flush=True)
+    print(polls(), ','.join(loaded), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=report, daemon=True).start()
@@ -27,12 +37,15 @@ sys.exit(main({args!r}))
 
 
 def loaded_by_run(*extra: str, url: str, tmp_path: Path) -> set[str]:
-    args = ["run", "--imds-endpoint", url, "--listen-address", f"127.0.0.1:{free_port()}", "--state-dir",
-            str(tmp_path / "state"), "--sink", f"file:{tmp_path / 'records.jsonl'}", *extra]
-    result = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True,
-                            timeout=60)
+    listen = f"127.0.0.1:{free_port()}"
+    args = ["run", "--imds-endpoint", url, "--listen-address", listen, "--state-dir",
+            str(tmp_path / "state"), "--sink", f"file:{tmp_path / 'records.jsonl'}", "--poll-interval", "0.3", *extra]
+    result = subprocess.run([sys.executable, "-c", PROBE.format(args=args, listen=listen)], capture_output=True,
+                            text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    return {name for name in result.stdout.strip().split(",") if name}
+    polls, _, loaded = result.stdout.strip().partition(" ")
+    assert float(polls) >= 2, f"the agent made {polls} good polls in 30 s:\n{result.stderr}"
+    return {name for name in loaded.split(",") if name}
 
 
 def test_an_agent_without_a_policy_loads_no_policy_engine_yaml_or_requests(

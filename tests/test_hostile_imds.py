@@ -202,9 +202,9 @@ def test_sigterm_during_a_hung_read_stops_within_two_seconds(imds: HostileImds,
     else:
         proc = collector(imds.url, "--imds-timeout", "60")
         imds.behaviour = Hang()
-    hung = len(imds.events_requests())
-    wait_until(lambda: len(imds.events_requests()) > hung or first, message="a request to hang on")
-    time.sleep(0.3)  # let the read be under way
+    hung = 0 if first else len(imds.events_requests())  # the first call may have arrived already
+    wait_until(lambda: len(imds.events_requests()) > hung, message="a request to hang on")
+    time.sleep(0.3)  # the scenario: the agent has been waiting on the hung read for a while
     assert proc.proc is not None
     started = time.monotonic()
     proc.proc.send_signal(signal.SIGTERM)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,6 +201,20 @@ def test_slow_receiver_delays_nothing_but_its_own_delivery(simulator: Callable[.
         peer.stop()
 
 
+def connections_to(port: int) -> int:
+    """Established TCP connections from this machine to 127.0.0.1:`port` (the client ends, from /proc; gRPC
+    uses IPv6 sockets, where 127.0.0.1 is the IPv4-mapped ::ffff:127.0.0.1)."""
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F")
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            remote, state = line.split()[2:4]
+            address, hex_port = remote.split(":")
+            count += address in loopback and int(hex_port, 16) == port and state == "01"  # 01: ESTABLISHED
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads connections from /proc/net/tcp (Linux)")
 def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp_path: Any) -> None:
     from datetime import datetime, timezone
 
@@ -222,12 +237,14 @@ def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp
     peer = GrpcReceiver()
     sink = OtlpSink(endpoint=peer.endpoint, protocol="grpc")
     outbox = Outbox(tmp_path, [sink.name])
-    worker = DeliveryWorker(sink, outbox, Metrics(), idle_refresh=0.2)
+    worker = DeliveryWorker(sink, outbox, Metrics(), idle_refresh=1.0)
     worker.start()
     try:
         outbox.append(records(1))
         wait_until(lambda: len(peer.received.log_records()) == 1, timeout=10)
-        wait_until(lambda: sink._exporter is None, timeout=5)  # the quiet spell closed the channel
+        assert connections_to(peer.port) == 1  # open after the delivery (the quiet spell is 1 s away)
+        wait_until(lambda: connections_to(peer.port) == 0, timeout=5,  # the quiet spell closed the channel
+                   message="the gRPC channel closed")
         outbox.append(records(2))
         wait_until(lambda: len(peer.received.log_records()) == 2, timeout=10)
         assert [r["attrs"]["azure.scheduled_event.id"] for r in peer.received.log_records()] == ["IDLE-1", "IDLE-2"]
