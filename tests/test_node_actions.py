@@ -416,3 +416,13 @@ def test_node_actions_without_node_name_stop_start_up_naming_the_option(tmp_path
                              str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--node-name (FOREWARN_NODE_NAME" in result.stderr
+
+
+def test_policy_check_shows_the_node_actions(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(REBOOT_POLICY)
+    result = subprocess.run([sys.executable, "-m", "forewarn", "policy", "check", str(policy)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert ("node actions of rule reboot (on_failure: hold): cordon; condition ForewarnScheduledEvent; event "
+            "Warning ScheduledEvent; drain (within 60 s, done 1 s before NotBefore") in result.stdout

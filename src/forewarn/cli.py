@@ -260,6 +260,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for checked in policy.rules:
             for hook in checked.prepare:
                 print(f"  prepare hook {hook.name} of rule {checked.name}: {hook.target()}")
+            if checked.node:
+                print(f"  node actions of rule {checked.name} (on_failure: {checked.on_failure}): "
+                      + "; ".join(action.describe() for action in checked.node))
         for hook in policy.recover:
             print(f"  recover hook {hook.name}: {hook.target()}")
         return 0
@@ -294,6 +297,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for miss in decision.skipped:
             print(f"  skipped  {miss}")
         print(f"  matched  {rule.name if rule else '(no rule)'}")
+        if rule is not None and rule.node:
+            where = "this VM's node (--node-name)" if event.affects(vm_name) else \
+                "none: the event does not affect this VM"
+            print(f"  node     {'; '.join(action.describe() for action in rule.node)} -> {where}, before the "
+                  f"decision (on_failure: {rule.on_failure})")
         print(f"  decision {decision.action.upper()}: {decision.reason}")
         if rule is not None and rule.prepare and decision.action != "hold":
             print(f"  prepare  {', '.join(f'{hook.name} ({hook.target()})' for hook in rule.prepare)} "
