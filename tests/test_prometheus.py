@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +16,7 @@ import pytest
 import requests
 import yaml
 
-from conftest import free_port, require_tool, wait_until
+from conftest import SimulatorHandle, free_port, require_tool, wait_until
 
 ROOT = Path(__file__).parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "forewarn-alerts.yaml"
@@ -22,10 +26,12 @@ pytestmark = pytest.mark.slow
 class Stack:
     """forewarn against its simulator, and Prometheus scraping it every second."""
 
-    def __init__(self, tmp: Path, scenario: str, speed: float) -> None:
+    def __init__(self, tmp: Path, scenario: str = "", speed: float = 1.0, endpoint: str = "") -> None:
+        """forewarn's own simulator playing `scenario`, or the IMDS at `endpoint` (a simulator the test holds)."""
         self.forewarn_port, self.prom_port = free_port(), free_port()
+        imds = ["--imds-endpoint", endpoint] if endpoint else ["--simulate", scenario, "--speed", str(speed)]
         self.forewarn = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "run", "--simulate", scenario, "--speed", str(speed),
+            [sys.executable, "-m", "forewarn", "run", *imds,
              "--poll-interval", "0.5", "--listen-address", f"127.0.0.1:{self.forewarn_port}",
              "--state-dir", str(tmp / "state")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -83,15 +89,14 @@ def test_prometheus_scrapes_forewarn_and_the_imminent_and_started_alerts_fire(st
     assert "ForewarnIMDSFailing" not in stack.firing() and "ForewarnDown" not in stack.firing()
 
 
-def dashboard_queries() -> list[tuple[str, str, str]]:
-    import json
-
+def dashboard_queries() -> list[tuple[str, str, int, str]]:
+    """(board, panel title, target index, expression) for every query of the shipped dashboards."""
     out = []
     for path in sorted((ROOT / "dashboards").glob("*.json")):
         board = json.loads(path.read_text())
         for panel in board["panels"]:
-            for target in panel.get("targets", []):
-                out.append((path.name, panel["title"], target["expr"]))
+            for index, target in enumerate(panel.get("targets", [])):
+                out.append((path.name, panel["title"], index, target["expr"]))
     return out
 
 
@@ -101,23 +106,134 @@ DASHBOARD_SCENARIO = {
         {"at": 0, "type": "Reboot", "notice": 3600, "resources": ["vm-0"], "description": "Host maintenance."},
         {"at": 0, "type": "Reboot", "notice": None, "run_for": 3600, "resources": ["vm-0", "vm-1"],
          "description": "Host failure."},
+        {"at": 0, "type": "Freeze", "notice": 900, "resources": ["vm-1"], "description": "Another VM's freeze."},
     ],
 }
 
+#: A query's result as {labels (without job, instance and __name__): value}.
+Result = dict[frozenset[tuple[str, str]], float]
+#: A series expected to be within this many seconds of the value computed from the served document
+#: (values that count down with time() were computed at another moment than the query ran).
+CLOCK_SLACK = 5.0
 
-def test_every_dashboard_query_returns_data_during_a_scenario(tmp_path: Path) -> None:
+
+class Served:
+    """What the simulator served, and the dashboard results it implies."""
+
+    def __init__(self, handle: SimulatorHandle) -> None:
+        self.incarnation, events = handle.sim.current()
+        self.events = {event["EventId"]: event for event in events}
+        compute = handle.sim.compute()
+        self.vm = {"vm_name": compute["name"], "vm_id": compute["vmId"], "vm_scale_set": compute["vmScaleSetName"],
+                   "resource_group": compute["resourceGroupName"], "subscription_id": compute["subscriptionId"],
+                   "location": compute["location"], "zone": compute["zone"]}
+
+    def ours(self, event: dict[str, Any]) -> bool:
+        return self.vm["vm_name"] in event["Resources"]
+
+    def to_not_before(self) -> dict[str, float]:
+        now = time.time()
+        return {event_id: parsedate_to_datetime(event["NotBefore"]).timestamp() - now
+                for event_id, event in self.events.items() if event["NotBefore"]}
+
+    def expected(self, title: str, index: int) -> Result | None:
+        """The result a dashboard target must show for this document; None: checked by `check_other`."""
+        events = self.events.values()
+        scheduled = [e for e in events if e["EventStatus"] == "Scheduled"]
+        impactful = {"Reboot", "Redeploy", "Terminate", "Preempt"}
+        vm = self.vm["vm_name"]
+
+        def one(value: float, **labels: str) -> Result:
+            return {frozenset(labels.items()): value}
+
+        def each(key: Any, values: Any) -> Result:
+            return {frozenset(key(e).items()): v for e, v in values}
+
+        table = [  # the same panels appear on both boards under different titles
+            each(lambda e: {"event_id": e["EventId"], "event_type": e["EventType"], "event_status": e["EventStatus"],
+                            "event_source": e["EventSource"], "description": e["Description"]},
+                 [(e, 1) for e in events]),
+            {frozenset({("event_id", event_id)}): seconds for event_id, seconds in self.to_not_before().items()},
+            each(lambda e: {"event_id": e["EventId"]}, [(e, 1) for e in events if self.ours(e)]),
+        ]
+        status = each(lambda e: {"event_id": e["EventId"], "event_type": e["EventType"],
+                                 "event_status": e["EventStatus"]}, [(e, 1) for e in events])
+        by_type: Counter[tuple[str, str]] = Counter((e["EventType"], e["EventSource"]) for e in scheduled)
+        expected: dict[tuple[str, int], Result] = {
+            ("VMs with impactful events scheduled", 0):
+                one(float(any(self.ours(e) and e["EventType"] in impactful for e in scheduled))),
+            ("Events under way", 0): one(sum(e["EventStatus"] == "Started" for e in events)),
+            ("Soonest NotBefore", 0): one(min(self.to_not_before().values())),
+            ("Collectors reporting", 0): one(1),
+            ("Upcoming events by type and source", 0):
+                {frozenset({("event_type", t), ("event_source", s)}): n for (t, s), n in by_type.items()},
+            ("Event timeline", 0): status,
+            ("Event status", 0): status,
+            **{("Scheduled events", i): result for i, result in enumerate(table)},
+            **{("Events in this VM's document", i): result for i, result in enumerate(table)},
+            ("IMDS up (share of collectors)", 0): one(1),
+            ("IMDS errors by code", 0): one(0),
+            ("Outbox backlog by sink", 0): one(0, sink="stdout"),
+            ("Records delivered and failed", 0): one(0, sink="stdout"),  # delivered at the start, none since
+            ("Records delivered and failed", 1): one(0, sink="stdout"),
+            ("This VM", 0): one(1, **{k: v for k, v in self.vm.items() if v}),
+            # targets without aggregation keep the vm_name that group_left brings in
+            ("Time to NotBefore", 0): {frozenset({("event_id", event_id), ("event_type", self.events[event_id]
+                                                  ["EventType"]), ("vm_name", vm)}): seconds
+                                       for event_id, seconds in self.to_not_before().items()},
+            ("IMDS up and document incarnation", 0): one(1, vm_name=vm),
+            ("IMDS up and document incarnation", 1): one(self.incarnation, vm_name=vm),
+            ("Outbox and delivery", 0): one(0, sink="stdout", vm_name=vm),
+            ("Outbox and delivery", 1): one(0, sink="stdout", vm_name=vm),
+        }
+        return expected.get((title, index))
+
+
+def as_result(series: list[dict[str, Any]]) -> Result:
+    hidden = {"__name__", "job", "instance"}
+    return {frozenset((k, v) for k, v in item["metric"].items() if k not in hidden): float(item["value"][1])
+            for item in series}
+
+
+def matches(got: Result, want: Result) -> bool:
+    return got.keys() == want.keys() and all(abs(got[key] - want[key]) <= CLOCK_SLACK for key in want)
+
+
+def check_other(title: str, index: int, got: Result) -> bool:
+    """Targets whose values are not in the document: measured latencies and counters that stay at zero."""
+    if title == "IMDS request latency":  # p99 and p50 of loopback requests: one series, a few ms
+        return len(got) == 1 and all(0 < value < 1 for value in got.values())
+    if title in ("Approvals", "Hooks and approvals"):  # no policy: every zero-filled series stays at 0
+        return bool(got) and all(value == 0 for value in got.values())
+    raise AssertionError(f"no expectation for dashboard panel {title!r} target {index}: add one")
+
+
+def test_every_dashboard_query_shows_what_the_simulator_served(
+        simulator: Callable[..., SimulatorHandle], tmp_path: Path) -> None:
     """Template variables at their 'All' values; $__rate_interval as Grafana would set it for 1 s scrapes."""
-    scenario = tmp_path / "dashboards.yaml"
-    scenario.write_text(yaml.safe_dump(DASHBOARD_SCENARIO))
-    running = Stack(tmp_path, str(scenario), speed=1)
+    handle = simulator(DASHBOARD_SCENARIO)
+    running = Stack(tmp_path, endpoint=handle.url)
     try:
-        wait_until(lambda: len(running.query("azure_scheduled_event_info")) == 2, timeout=30)
-        for board, title, expr in dashboard_queries():
+        served = Served(handle)
+        assert {e["EventStatus"] for e in served.events.values()} == {"Scheduled", "Started"}
+        assert not all(served.ours(e) for e in served.events.values()), "one event is another VM's"
+        wait_until(lambda: len(running.query("azure_scheduled_event_info")) == len(served.events), timeout=30)
+        for board, title, index, expr in dashboard_queries():
             concrete = (expr.replace("$vm_scale_set", ".*").replace("$location", ".*").replace("$vm", ".*")
                         .replace("$__rate_interval", "5s"))
-            # rates need two scrapes inside their range: wait for them rather than for a fixed time
-            wait_until(lambda: running.query(concrete), timeout=15,  # noqa: B023 (called at once)
-                       message=f"{board} / {title}: data for {concrete}")
+            last: list[Result] = []
+
+            def shown() -> bool:
+                last[:] = [as_result(running.query(concrete))]  # noqa: B023 (called at once)
+                want = served.expected(title, index)  # noqa: B023
+                return matches(last[0], want) if want is not None else check_other(title, index, last[0])  # noqa: B023
+
+            # rates need two scrapes inside their range, and settle once the start's records are delivered
+            try:
+                wait_until(shown, timeout=20)
+            except AssertionError:
+                pytest.fail(f"{board} / {title} [{index}]: {concrete}\n  got  {last}\n"
+                            f"  want {served.expected(title, index)}")
     finally:
         running.stop()
 
