@@ -190,7 +190,9 @@ def test_staggered_secondary_approves_when_the_primary_is_down(
     wait_until(lambda: sim.sim.approval_posts, timeout=15, message="the secondary's approval")
     assert time.time() - seen_at >= 2.5, "the secondary waited for its turn"
     assert len(sim.sim.approval_posts) == 1
-    assert approved_records(secondary)[0]["subject"] == added["subject"]
+    # The record follows the POST through the outbox and the file sink.
+    approved = wait_until(lambda: approved_records(secondary), timeout=10, message="the approved record")
+    assert approved[0]["subject"] == added["subject"]
 
 
 def test_first_mode_secondary_never_approves_alone(tmp_path: Path, simulator: Callable[..., SimulatorHandle],

@@ -242,8 +242,10 @@ def _refusal(code: int, reason: str, text: str = "") -> bytes:
 
 def _reset(sock: socket.socket) -> None:
     # SO_LINGER with a zero timeout makes close() send RST: the client sees "connection reset".
+    linger = getattr(socket, "SO_LINGER", None)  # not on every platform forewarn runs on
     with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if linger is not None:
+            sock.setsockopt(socket.SOL_SOCKET, linger, struct.pack("ii", 1, 0))
         sock.close()
 
 
