@@ -2,9 +2,10 @@
 
 - drain: 10,000 records already waiting in the outbox of a stopped collector; `forewarn run` starts
   and its delivery worker drains them to the sink's local peer (OTLP gRPC, OTLP HTTP, the AMQP 1.0 peer,
-  the file sink). Rate = records / seconds from the first to the last record the peer received.
+  the CloudEvents webhook receiver, the file sink). Rate = records / seconds from the first to the last
+  record the peer received.
 
-    python bench/forwarding.py [--records 10000]
+    python bench/forwarding.py [--records 10000] [--only webhook,file]
 
 Results are printed and written to bench/results/forwarding.json. The peers run in this process,
 the collector in its own.
@@ -29,6 +30,7 @@ from forewarn.tracker import diff_documents
 
 from common import Collector, header, write_results  # also puts tests/ (the peers) on sys.path
 from peers.amqp import AmqpPeer
+from peers.notify import NotifyPeer
 from peers.otlp import GrpcReceiver, HttpReceiverServer
 
 VM = VmInfo(name="vm-0", vm_id="4d1824cf-fdc0-5660-b82f-b2a54105ac90", location="westeurope",
@@ -64,11 +66,14 @@ def wait_count(count_fn: Any, target: int, timeout: float) -> tuple[float, float
     raise RuntimeError(f"only {count_fn()} of {target} records arrived")
 
 
-def drain(sim_url: str, records: int) -> dict[str, Any]:
+def drain(sim_url: str, records: int, only: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     cases: list[tuple[str, Any]] = [("otlp-grpc", GrpcReceiver), ("otlp-http", HttpReceiverServer),
-                                    ("eventhubs", AmqpPeer), ("file", None)]
+                                    ("eventhubs", AmqpPeer), ("webhook", lambda: NotifyPeer("cloudevents")),
+                                    ("file", None)]
     for name, peer_type in cases:
+        if only and name not in only:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             state = Path(tmp) / "state"
             state.mkdir()
@@ -90,6 +95,13 @@ def drain(sim_url: str, records: int) -> dict[str, Any]:
                 def count(p: Any = peer) -> int:
                     with p.received.lock:
                         return len(p.received.messages)
+            elif name == "webhook":  # one CloudEvent per POST, parsed by the SDK in the receiver
+                sink = "webhook"
+                env = {"FOREWARN_WEBHOOK_URL": peer.url}
+
+                def count(p: Any = peer) -> int:
+                    with p.received.lock:
+                        return len(p.received.accepted)
             else:
                 out = Path(tmp) / "records.jsonl"
                 sink = f"file:{out}"
@@ -117,12 +129,13 @@ def drain(sim_url: str, records: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=10_000)
+    parser.add_argument("--only", help="comma-separated cases to run (default: all)")
     args = parser.parse_args()
     sim = Simulator(load_scenario("tour"), speed=20)
     server = SimulatorServer(sim).serve_in_background()
     results: dict[str, Any] = header()
     try:
-        results["drain"] = drain(server.url, args.records)
+        results["drain"] = drain(server.url, args.records, args.only.split(",") if args.only else None)
     finally:
         server.stop()
     write_results("forwarding", results)

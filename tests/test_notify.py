@@ -282,3 +282,18 @@ def test_simulated_maintenance_reaches_slack_once_per_change(peers: Callable[[st
     titles = [item["message"]["blocks"][0]["text"]["text"] for item in peer.received.accepted]
     assert titles == ["Reboot scheduled on vm-0", "Reboot over (cancelled) on vm-0"]
     assert json.dumps(peer.received.accepted).count("SECRET") == 0
+
+
+def test_the_deploy_file_declares_the_columns_the_logs_sink_sends() -> None:
+    from forewarn.sinks.logsingestion import COLUMNS, to_row
+
+    template = json.loads((Path(__file__).parent.parent / "deploy/azure-monitor/forewarn-logs.json").read_text())
+    by_type = {r["type"]: r for r in template["resources"]}
+    rule = by_type["Microsoft.Insights/dataCollectionRules"]["properties"]
+    (stream,) = rule["streamDeclarations"].values()
+    table = by_type["Microsoft.OperationalInsights/workspaces/tables"]["properties"]["schema"]["columns"]
+    assert [c["name"] for c in stream["columns"]] == list(COLUMNS) == [c["name"] for c in table]
+    assert rule["dataFlows"][0]["streams"] == ["[variables('streamName')]"]
+    assert template["variables"]["streamName"] in rule["streamDeclarations"]
+    for record in make_records(2):
+        assert set(to_row(record)) <= set(COLUMNS)

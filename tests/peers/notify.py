@@ -60,6 +60,7 @@ class NotifyPeer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # the status line and the body go out in two writes
 
             def log_message(self, format: str, *args: Any) -> None:
                 return None
