@@ -497,17 +497,13 @@ def read_text_file(path: str, what: str, secret: bool = False) -> str:
 
 
 def _load_file(path: str) -> dict[str, Any]:
-    import yaml  # only with --config: YAML costs memory that a flag-configured agent does not need
-
-    from forewarn.yamlerrors import yaml_problem
+    from forewarn.yamlerrors import YamlSyntaxError, load_yaml  # YAML only with --config: it costs memory
 
     text = read_text_file(path, "--config")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        line, column, problem = yaml_problem(exc)
-        where = f" line {line}, column {column}" if line else ""
-        raise ConfigError(f"--config {path}:{where}: not valid YAML ({problem})") from None
+        data = load_yaml(text, f"--config {path}")
+    except YamlSyntaxError as exc:
+        raise ConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -12,3 +12,17 @@ def yaml_problem(exc: yaml.YAMLError) -> tuple[int | None, int | None, str]:
     if mark is None:
         return None, None, problem
     return mark.line + 1, mark.column + 1, problem
+
+
+class YamlSyntaxError(ValueError):
+    """A file that is not YAML; `str()` is `LABEL: line L, column C: not valid YAML (problem)`."""
+
+
+def load_yaml(text: str, label: str) -> object:
+    """`yaml.safe_load(text)`, with a syntax error reported against `label` (say `--config FILE`)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        line, column, problem = yaml_problem(exc)
+        where = f" line {line}, column {column}:" if line else ""
+        raise YamlSyntaxError(f"{label}:{where} not valid YAML ({problem})") from None

@@ -42,11 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from forewarn.config import ConfigError, read_text_file
 from forewarn.web.server import Request, Response
-from forewarn.yamlerrors import yaml_problem
+from forewarn.yamlerrors import YamlSyntaxError, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +263,9 @@ def load_web_config(file: str | Path) -> WebConfig:
     path = Path(file)
     text = read_text_file(str(path), OPTION)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        line, column, problem = yaml_problem(exc)
-        where = f" line {line}, column {column}:" if line else ""
-        raise WebConfigError(f"{OPTION} {path}:{where} not valid YAML ({problem})") from None
+        data = load_yaml(text, f"{OPTION} {path}")
+    except YamlSyntaxError as exc:
+        raise WebConfigError(str(exc)) from None
     top = _mapping(path, data, "(top level)")
     _known_keys(path, top, "", _TOP_KEYS)
     tls: ssl.SSLContext | None = None
