@@ -33,6 +33,7 @@ RANGES: dict[str, tuple[str, str, bool]] = {
     "speed": ("0.01", "10000", False),
     "probe.lb-lead-time": ("0", "86400", False),
     "probe.lb-freeze-threshold": ("0", "86400", False),
+    **{f"{kind}-rate-limit": ("0", "10000", False) for kind in ("webhook", "slack", "teams", "template")},
 }
 
 
