@@ -75,7 +75,8 @@ def test_config_file_errors_name_file_and_position(tmp_path: Path) -> None:
 
 
 def test_every_run_option_has_an_environment_variable() -> None:
-    assert all(option.env == "FOREWARN_" + option.name.replace("-", "_").replace(".", "_").upper() for option in RUN_OPTIONS)
+    assert all(option.env == "FOREWARN_" + option.name.replace("-", "_").replace(".", "_").upper()
+               for option in RUN_OPTIONS)
 
 
 def test_redaction_hides_credentials_and_tokens() -> None:
