@@ -7,7 +7,10 @@ service requires and refusing (400) what it would refuse:
 - Teams: a Workflows webhook validating the card against the Adaptive Card JSON schema (vendored from
   the npm package adaptivecards-designer 2.4.4, MIT, file adaptive-card.schema.json beside this one);
 - Logs Ingestion: URL /dataCollectionRules/{dcr}/streams/{stream}?api-version=2023-01-01, a bearer token,
-  a gzipped JSON array of rows with only the stream's columns.
+  a gzipped JSON array of rows with only the stream's columns, each value of the column's type. It runs
+  over TLS (`tls=(certfile, keyfile)`): azure-core sends a bearer token over https only. It also answers
+  the IMDS managed identity token request (GET /metadata/identity/oauth2/token with `Metadata: true`),
+  so a real ManagedIdentityCredential pointed here (AZURE_POD_IDENTITY_AUTHORITY_HOST) gets `token`.
 
 Every stand-in can be taken down (503), told to answer 429 with a Retry-After a given number of times,
 and records what it accepted (`accepted`) and what it refused and why (`errors`).
@@ -17,8 +20,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import ssl
 import threading
 import time
+from collections.abc import Callable
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,22 @@ from urllib.parse import parse_qs, urlsplit
 import jsonschema
 
 SCHEMA = json.loads((Path(__file__).parent / "adaptive-card.schema.json").read_text())
+
+
+def _is_datetime(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and datetime.fromisoformat(value.replace("Z", "+00:00")).tzinfo is not None
+    except ValueError:
+        return False
+
+
+#: What a value of each DCR column type may be in the JSON rows (the service refuses or drops the others).
+COLUMN_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "long": lambda v: isinstance(v, int) and not isinstance(v, bool), "boolean": lambda v: isinstance(v, bool),
+    "real": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "datetime": _is_datetime,
+    "dynamic": lambda v: True,
+}
 
 
 class Received:
@@ -39,6 +61,7 @@ class Received:
         self.down = False
         self.throttle = 0                            # answer 429 this many more times
         self.retry_after = 1
+        self.delay = 0.0                             # seconds each POST takes before it is looked at
 
     def ids(self) -> list[str]:
         with self.lock:
@@ -49,7 +72,7 @@ class NotifyPeer:
     """kind: cloudevents, slack, teams or logs."""
 
     def __init__(self, kind: str, token: str = "test-token", dcr: str = "dcr-0123", stream: str = "Custom-Forewarn",
-                 columns: dict[str, str] | None = None) -> None:
+                 columns: dict[str, str] | None = None, tls: tuple[str, str] | None = None) -> None:
         self.kind = kind
         self.received = Received()
         self.token = token
@@ -65,23 +88,51 @@ class NotifyPeer:
             def log_message(self, format: str, *args: Any) -> None:
                 return None
 
+            def setup(self) -> None:
+                # The handshake here, in the request's thread, not in accept(): a client killed mid-handshake
+                # then holds up nobody else.
+                if isinstance(self.request, ssl.SSLSocket):
+                    self.request.settimeout(10)
+                    self.request.do_handshake()
+                super().setup()
+
+            def do_GET(self) -> None:
+                status, body = peer.token_request(self.path, {k.lower(): v for k, v in self.headers.items()})
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
                 status, extra = peer.handle(self.path, dict(self.headers.items()), body)
+                answer = b"ok"
+                if peer.kind == "logs":  # as the service: 204 without a body, or an Azure error object
+                    status = 204 if status == 200 else status
+                    answer = b"" if status == 204 else json.dumps(
+                        {"error": {"code": f"Http{status}", "message": "refused by the stand-in"}}).encode()
+                    extra = {**extra, "Content-Type": "application/json"} if answer else extra
                 self.send_response(status)
                 for key, value in extra.items():
                     self.send_header(key, value)
-                self.send_header("Content-Length", "2")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
-                self.wfile.write(b"ok")
+                self.wfile.write(answer)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        self.tokens_issued = 0
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True,
+                                                     do_handshake_on_connect=False)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         host, port = self.server.server_address[:2]
-        self.base = f"http://{host}:{port}"
+        self.base = f"{'https' if tls else 'http'}://{host}:{port}"
         # Slack and Teams URLs carry their key in the path; tests check it never shows up in logs.
         self.url = f"{self.base}/hooks/SECRET-KEY-PATH?sig=SECRET-SIG"
 
@@ -89,9 +140,25 @@ class NotifyPeer:
         self.server.shutdown()
         self.server.server_close()
 
+    def token_request(self, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        """IMDS's managed identity token endpoint, as ManagedIdentityCredential calls it."""
+        url = urlsplit(path)
+        query = parse_qs(url.query)
+        if url.path != "/metadata/identity/oauth2/token" or headers.get("metadata") != "true" \
+                or not query.get("resource") or not query.get("api-version"):
+            with self.received.lock:
+                self.received.errors.append(f"token request refused: {url.path} {sorted(query)}")
+            return 400, b'{"error": "invalid_request"}'
+        with self.received.lock:
+            self.tokens_issued += 1
+        return 200, json.dumps({"access_token": self.token, "expires_in": "86399", "token_type": "Bearer",
+                                "resource": query["resource"][0]}).encode()
+
     # --- one request ----------------------------------------------------------------------------------
     def handle(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str]]:
         got = self.received
+        if got.delay:
+            time.sleep(got.delay)  # a slow service: a SIGKILL can land while a request is in flight
         with got.lock:
             got.attempts.append(time.monotonic())
             if got.down:
@@ -179,4 +246,7 @@ class NotifyPeer:
             unknown = set(row) - set(self.columns)
             if unknown:
                 raise ValueError(f"columns not in the stream: {sorted(unknown)}")
+            for column, value in row.items():
+                if not COLUMN_TYPES[self.columns[column].lower()](value):
+                    raise ValueError(f"column {column}: {value!r} is not a {self.columns[column]}")
         return [{"id": row["RecordId"], "row": row} for row in rows]

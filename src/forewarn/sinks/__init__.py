@@ -88,7 +88,8 @@ def _notify_sink(kind: str, options: Mapping[str, Any]) -> Sink:
         from forewarn.sinks.logsingestion import LogsIngestionSink
 
         return LogsIngestionSink(endpoint=options.get("logs_endpoint"), rule_id=options.get("logs_rule_id"),
-                                 stream=options.get("logs_stream"), client_id=options.get("logs_client_id"))
+                                 stream=options.get("logs_stream"), client_id=options.get("logs_client_id"),
+                                 state_dir=state_dir)
     prefix = {"webhook": "webhook", "slack": "slack-webhook", "teams": "teams-webhook", "template": "template"}[kind]
     key = prefix.replace("-", "_") + "_url"
     where = f"FOREWARN_{key.upper()} or --{prefix}-url-file"

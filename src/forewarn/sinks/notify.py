@@ -175,21 +175,32 @@ class SentIds:
             return record_id in self._memory
 
     def add(self, record_id: str) -> None:
+        self.add_many((record_id,))
+
+    def add_many(self, record_ids: Iterable[str]) -> None:
+        """Remembers ids in one transaction (a sink that sends a whole batch in one request)."""
+        ids = list(record_ids)
+        if not ids:
+            return
         with self._lock:
-            self._memory[record_id] = None
+            for record_id in ids:
+                self._memory[record_id] = None
             while len(self._memory) > self.limit:
                 self._memory.popitem(last=False)
             if self._db is None:
                 return
             try:
-                self._db.execute("INSERT OR IGNORE INTO sent (sink, id) VALUES (?, ?)", (self.sink, record_id))
-                self._added += 1
-                if self._added % 500 == 0:  # keep the table bounded, without a DELETE per message
+                with self._db:  # isolation_level=None: the with block alone does not open a transaction
+                    self._db.execute("BEGIN")
+                    self._db.executemany("INSERT OR IGNORE INTO sent (sink, id) VALUES (?, ?)",
+                                         [(self.sink, record_id) for record_id in ids])
+                before, self._added = self._added, self._added + len(ids)
+                if before // 500 != self._added // 500:  # keep the table bounded, without a DELETE per message
                     self._db.execute("DELETE FROM sent WHERE sink = ? AND seq <= (SELECT seq FROM sent WHERE "
                                      "sink = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)", (self.sink, self.sink,
                                                                                       self.limit))
             except sqlite3.Error:
-                pass  # remembered in memory; after a restart this one record may be posted again
+                pass  # remembered in memory; after a restart these records may be sent again
 
     def close(self) -> None:
         with self._lock:
