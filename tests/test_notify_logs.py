@@ -192,3 +192,22 @@ def test_outage_throttling_and_sigkill_lose_nothing_and_repeat_nothing(
     assert peer.received.errors == []
     assert peer.received.ids() == expected, "every record, in order, each id once"
     assert peer.tokens_issued >= 1 and TOKEN not in proc.log()
+
+
+def test_a_webhook_behind_a_private_ca_is_trusted_through_requests_ca_bundle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The notification sinks honour the same REQUESTS_CA_BUNDLE as the logs-ingestion sink."""
+    from forewarn.sinks.notify import Filter
+    from forewarn.sinks.webhook import WebhookSink
+
+    bundle, tls = make_certificates(tmp_path)
+    peer = NotifyPeer("cloudevents", tls=tls)
+    try:
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bundle))
+        sink = WebhookSink(peer.url, "structured", Filter(), 0, str(tmp_path / "state"))
+        records = make_records(2)
+        sink.send(records)
+        sink.close()
+        assert peer.received.ids() == [record.id for record in records]
+    finally:
+        peer.stop()
