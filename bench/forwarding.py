@@ -28,7 +28,7 @@ from forewarn.records import to_record
 from forewarn.simulator import Simulator, SimulatorServer, load_scenario
 from forewarn.tracker import diff_documents
 
-from common import Collector, header, write_results  # also puts tests/ (the peers) on sys.path
+from common import Collector, header, peak_rss_mib, rss_mib, write_results  # also puts tests/ (the peers) on sys.path
 from peers.amqp import AmqpPeer
 from peers.notify import NotifyPeer
 from peers.otlp import GrpcReceiver, HttpReceiverServer
@@ -116,12 +116,15 @@ def drain(sim_url: str, records: int, only: list[str] | None = None) -> dict[str
             collector = Collector(sim_url, state, sinks=[sink], env=env, wait=False)
             try:
                 first, last = wait_count(count, records, timeout=300)
+                # The agent's memory with this sink: at its most (during the drain) and just after it.
+                rss = {"rss_after_drain_mib": round(rss_mib(collector.pid), 1),
+                       "peak_rss_mib": round(peak_rss_mib(collector.pid), 1)}
             finally:
                 collector.stop()
                 if peer is not None:
                     peer.stop()
             results[name] = {"records": records, "records_per_s": records / max(last - first, 1e-9),
-                             "seconds_from_start": last - started}
+                             "seconds_from_start": last - started, **rss}
             print(name, json.dumps(results[name]), flush=True)
     return results
 
