@@ -84,6 +84,10 @@ MATRIX: dict[str, dict[str, Any]] = {
     "web tls": WEB_TLS,
     "web tls and basic auth": WEB_TLS_BASIC_AUTH,
     "aks": AKS_VALUES,
+    "node actions on": {"nodeActions": {"enabled": True}, "policy": AKS_VALUES["policy"]},
+    "node actions on, own service account, no network policy": {
+        "nodeActions": {"enabled": True}, "networkPolicy": {"enabled": False},
+        "serviceAccount": {"create": False, "name": "forewarn-agent"}},
     "file sink": {"sinks": {"file": {"enabled": True}}},
     "file sink on a claim": {"sinks": {"stdout": {"enabled": False}, "file": {
         "enabled": True, "path": "/records/forewarn.jsonl",
@@ -149,13 +153,9 @@ def normalized_kustomize_daemonset(target: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("target", "values"), [("base", {}), ("overlays/aks", AKS_VALUES)])
 def test_daemonset_equals_the_kustomize_one(target: str, values: dict[str, Any]) -> None:
+    # The AKS overlay uses the node-actions component and AKS_VALUES turn nodeActions on: the token mounted
+    # and FOREWARN_NODE_NAME are compared with the rest.
     kustomized = normalized_kustomize_daemonset(target)
-    if target == "overlays/aks":
-        # The AKS overlay adds the node-actions component, which the chart does not offer yet: its two pod
-        # changes (the token mounted, FOREWARN_NODE_NAME) are left out of the comparison.
-        pod = kustomized["spec"]["template"]["spec"]
-        pod["automountServiceAccountToken"] = False
-        pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != "FOREWARN_NODE_NAME"]
     rendered = one(render(values), "DaemonSet")
     # Everything the pod runs with: image, args, env, security contexts, probes, volumes, resources,
     # scheduling. Only the labels (Helm's release labels) and the policy checksum annotation differ.
@@ -191,6 +191,57 @@ def test_the_other_objects_equal_the_kustomize_ones() -> None:
         assert one(rendered, kind)[field] == by_kind(kustomized, kind)[field]
     name = by_kind(kustomized, "PriorityClass")["metadata"]["name"]
     assert one(rendered, "PriorityClass")["metadata"]["name"] == name
+
+
+COMPONENT = ROOT / "deploy" / "kubernetes" / "components" / "node-actions"
+
+
+def test_node_actions_objects_equal_the_kustomize_component() -> None:
+    docs = render(AKS_VALUES)
+    component = {d["kind"]: d for f in COMPONENT.glob("*.yaml") if f.name != "kustomization.yaml"
+                 for d in yaml.safe_load_all(f.read_text())}
+    role, binding = one(docs, "ClusterRole"), one(docs, "ClusterRoleBinding")
+    # the same rules, so the chart grants exactly what the stand-in's RBAC checks in tests/test_node_actions.py
+    assert role["rules"] == component["ClusterRole"]["rules"]
+    assert binding["roleRef"] == {**component["ClusterRoleBinding"]["roleRef"], "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": one(docs, "ServiceAccount")["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    (kube_api,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kube-api")]
+    assert without_labels(kube_api["spec"]) == without_labels(component["NetworkPolicy"]["spec"])
+    assert kube_api["spec"]["podSelector"] == one(docs, "DaemonSet")["spec"]["selector"]
+    # and against the whole overlay: the same kinds of objects (but the Namespace and the chart's dashboards)
+    kustomized = build("overlays/aks")
+    everything = render({**AKS_VALUES, **OPERATOR})
+    assert sorted(d["kind"] for d in kustomized if d["kind"] != "Namespace") == sorted(
+        d["kind"] for d in everything if not d["metadata"]["name"].startswith(f"{RELEASE}-dashboard-"))
+
+
+def test_node_actions_bind_the_named_service_account_and_are_off_by_default() -> None:
+    docs = render(MATRIX["node actions on, own service account, no network policy"], release="edge")
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "forewarn-agent", "namespace": NAMESPACE}]
+    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"] == "edge-forewarn-node-actions"
+    assert not [d for d in docs if d["kind"] in ("ServiceAccount", "NetworkPolicy")]
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert env_of(docs)["FOREWARN_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+    off = render()
+    assert not [d for d in off if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert one(off, "DaemonSet")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert "FOREWARN_NODE_NAME" not in env_of(off)
+    assert [d["metadata"]["name"] for d in off if d["kind"] == "NetworkPolicy"] == [RELEASE]
+
+
+def test_the_aks_values_carry_the_overlays_policy_with_node_actions() -> None:
+    from forewarn.approval.policy import parse_policy
+
+    overlay_policy = (ROOT / "deploy" / "kubernetes" / "overlays" / "aks" / "policy.yaml").read_text()
+    assert AKS_VALUES["policy"]["content"] == overlay_policy
+    docs = render(AKS_VALUES)
+    text = one(docs, "ConfigMap")["data"]["policy.yaml"]
+    assert text == overlay_policy
+    assert [rule.name for rule in parse_policy(text).rules if rule.node]
 
 
 def test_monitoring_objects_select_the_service_and_carry_the_shipped_rules() -> None:
@@ -353,6 +404,10 @@ def test_secrets_are_only_referenced_by_name() -> None:
     ({"web": {"tls": {"minVersion": "TLS1.2"}}}, "at '/web/tls/minVersion': value must be one of"),
     ({"web": {"tls": {"enabled": True}}}, "web.tls.enabled needs web.tls.secretName"),
     ({"web": {"basicAuth": {"enabled": True}}}, "web.basicAuth.enabled needs web.basicAuth.configSecret.name"),
+    ({"nodeActions": {"enabled": "yes"}}, "at '/nodeActions/enabled': got string, want boolean"),
+    ({"nodeActions": {"enabled": True, "clusterRole": "cluster-admin"}},
+     "at '/nodeActions': additional properties 'clusterRole' not allowed"),
+    ({"nodeActions": {"enabled": True}, "policy": {"enabled": False}}, "nodeActions.enabled needs policy.enabled"),
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(values: dict[str, Any], message: str) -> None:
     result = helm("template", RELEASE, str(CHART), values=values)
