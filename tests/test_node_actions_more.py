@@ -9,12 +9,23 @@ The approver runs in-process (the Harness of test_node_actions.py), so tests wai
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from forewarn.agent import build_actor
 from forewarn.approval.approver import Stage
+from forewarn.cli import build_parser
+from forewarn.config import Settings, resolve
+from forewarn.metrics import Metrics
+from forewarn.node import KubeNodeActor
+from forewarn.node.drain import LEASE_SECONDS
 from test_node_actions import CLUSTER_ROLE, Harness, imds_event
 
 from conftest import wait_until
@@ -42,6 +53,15 @@ def harnesses(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
     yield make
     for harness in made:
         harness.close()
+
+
+REBOOT_DRAIN = """
+rules:
+  - name: reboot
+    match: {event_type: [Reboot]}
+    node: [cordon, DRAIN]
+    action: hold
+"""
 
 
 def ledger(api: KubeApi, node: str = "node-1") -> dict[str, object]:
@@ -175,3 +195,128 @@ def test_a_drain_a_pdb_never_allows_fails_at_its_deadline_and_on_failure_decides
         wait_until(lambda: h.starts.posts == [["E1"]], timeout=5, message="the approval despite the failure")
         assert h.approver.stage("E1") is Stage.APPROVED
     assert api.pods() and api.node("node-1")["spec"]["unschedulable"] is True
+
+
+# --- 2. the cap's Lease: a holder that died is taken over after the lease expires ----------------------
+
+def test_a_drain_slot_held_by_a_dead_instance_is_taken_over_once_its_lease_expires(
+        api: KubeApi, harnesses: Callable[..., Harness], caplog: pytest.LogCaptureFixture) -> None:
+    policy = REBOOT_DRAIN.replace("DRAIN", "{drain: {timeout: 300, margin: 1, max_nodes: 1}}")
+    api.add_node("node-1")
+    api.add_node("node-2")
+    api.add_pod("shop", "web-1", "node-1", labels={"app": "web"}, owner_kind="ReplicaSet")
+    api.add_pod("shop", "web-2", "node-2", owner_kind="ReplicaSet")
+    api.add_pdb("shop", "web", {"app": "web"}, max_unavailable=0)  # node-1's drain never ends
+    one_event = imds_event(resources=("vm-1", "vm-2"))
+    first = harnesses(api, policy)
+    first.poll(one_event)
+    wait_until(lambda: any(r.status == 429 for r in api.requests), timeout=10, message="node-1 draining")
+    first.close()  # dies holding the slot: nobody releases or renews its Lease
+    first.settle()
+    (lease,) = api.leases()
+    assert lease["spec"]["holderIdentity"] == "node-1"
+
+    later = [0.0]  # the second instance's clock runs ahead by this much
+    second = harnesses(api, policy, node="node-2", vm="vm-2")
+    second.actor.clock = lambda: time.time() + later[0]
+    with caplog.at_level(logging.WARNING, logger="forewarn.node.drain"):
+        second.poll(one_event)
+        wait_until(lambda: "waiting for a drain slot" in caplog.text, timeout=10, message="node-2 waiting")
+    assert "draining: node-1" in caplog.text
+    assert second.approver.stage("E1") is Stage.ACTING and not any(pod == "web-2" for _, pod, _ in api.evictions)
+    later[0] = LEASE_SECONDS + 1.0  # node-1's Lease has not been renewed for longer than its duration
+    wait_until(lambda: second.approver.stage("E1") is Stage.ACTED, timeout=10, message="the takeover and drain")
+    takeovers = [r.json() for r in api.requests if r.method == "PUT" and r.path.endswith("/forewarn-drain-0")]
+    assert takeovers[0]["spec"]["holderIdentity"] == "node-2" and takeovers[0]["metadata"]["resourceVersion"]
+    assert [pod for _, pod, _ in api.evictions] == ["web-2"]
+    assert second.counter("drain", "ok") == 1
+    (lease,) = api.leases()
+    assert not lease["spec"].get("holderIdentity"), "released once node-2 drained"
+
+
+# --- 3. policy explain -------------------------------------------------------------------------------
+
+def test_policy_explain_shows_the_node_actions_for_this_vm_and_not_for_others(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(REBOOT_DRAIN.replace(
+        "DRAIN", "{taint: {key: example.com/m, value: x, effect: NoExecute}}, label, {event: {reason: Going}}, "
+        "{drain: {timeout: 120, margin: 5, grace: 20, delete_local_data: true, max_nodes: 2}}")
+        .replace("action: hold", "action: approve\n    on_failure: approve"))
+    document = tmp_path / "doc.json"
+    document.write_text(json.dumps({"DocumentIncarnation": 3, "Events": [
+        imds_event("MINE"), imds_event("OTHER", resources=("vm-9",))]}))
+    result = subprocess.run([sys.executable, "-m", "forewarn", "policy", "explain", str(policy), "--document",
+                             str(document), "--vm-name", "vm-1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    actions = ("cordon; taint example.com/m=x:NoExecute; label forewarn.io/scheduled-event=<event type>; "
+               "event Warning Going; drain (within 120 s, done 5 s before NotBefore, grace at most 20 s, evicting "
+               "pods with local storage; at most 2 node(s) draining at once)")
+    mine, other = out.split("\nMINE")[1].split("\nOTHER")
+    assert f"  node     {actions} -> this VM's node (--node-name), before the decision (on_failure: approve)" in mine
+    assert "  decision APPROVE: rule reboot approves" in mine
+    assert f"  node     {actions} -> none: the event does not affect this VM" in other
+
+
+# --- 4. where the Kubernetes configuration comes from --------------------------------------------------
+
+def node_settings(tmp_path: Path, *flags: str) -> Settings:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(REBOOT_DRAIN.replace("DRAIN", "label"))
+    return resolve(build_parser().parse_args(["run", "--policy", str(policy), "--node-name", "node-1", *flags]),
+                   environ={})
+
+
+def test_kubeconfig_is_the_file_the_node_actions_use(api: KubeApi, tmp_path: Path) -> None:
+    api.add_node("node-1")
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    actor = build_actor(node_settings(tmp_path, "--kubeconfig", str(kubeconfig)), True, Metrics())
+    assert isinstance(actor, KubeNodeActor)
+    try:
+        assert actor.get_node()["metadata"]["name"] == "node-1"
+    finally:
+        actor.close()
+    (request,) = api.requests
+    assert (request.method, request.path) == ("GET", "/api/v1/nodes/node-1")
+    assert request.headers["authorization"].startswith("Bearer ")
+
+
+def test_without_kubeconfig_the_kubeconfig_env_var_is_used(api: KubeApi, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-cluster service account is read from a fixed path (/var/run/secrets/...), absent here, so the
+    # fallback after it is what a test can reach: KUBECONFIG.
+    api.add_node("node-1")
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "from-env")))
+    actor = build_actor(node_settings(tmp_path), True, Metrics())
+    assert isinstance(actor, KubeNodeActor)
+    try:
+        assert actor.get_node()["metadata"]["name"] == "node-1"
+    finally:
+        actor.close()
+
+
+def test_without_any_kubernetes_configuration_run_exits_2_naming_kubeconfig(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(REBOOT_DRAIN.replace("DRAIN", "cordon"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "FOREWARN_"))}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config
+    env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"] = "127.0.0.1", "9"  # but no token file
+    result = subprocess.run([sys.executable, "-m", "forewarn", "run", "--policy", str(policy), "--node-name", "node-1",
+                             "--imds-endpoint", "http://127.0.0.1:9", "--listen-address", "127.0.0.1:0",
+                             "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("forewarn run: error:")]
+    assert "--kubeconfig" in line and "in-cluster" in line and "KUBECONFIG" in line, line
+
+
+def test_a_kubeconfig_that_does_not_exist_exits_2_naming_it(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(REBOOT_DRAIN.replace("DRAIN", "cordon"))
+    missing = tmp_path / "nowhere.yaml"
+    result = subprocess.run([sys.executable, "-m", "forewarn", "run", "--policy", str(policy), "--node-name", "node-1",
+                             "--kubeconfig", str(missing), "--imds-endpoint", "http://127.0.0.1:9",
+                             "--listen-address", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"--kubeconfig {missing}" in result.stderr

@@ -37,10 +37,13 @@ def make_client(kubeconfig: str | None, timeout: float = 10.0) -> Client:
         config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
         return Client(config, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout))
     except (KubeConfigError, OSError, ValueError, KeyError) as exc:
-        where = f"--kubeconfig {kubeconfig}" if kubeconfig else \
-            "no in-cluster service account, KUBECONFIG or ~/.kube/config"
-        raise KubeError(f"{where}: cannot load a Kubernetes configuration ({type(exc).__name__}: {exc})") \
-            from None
+        if kubeconfig:
+            raise KubeError(f"--kubeconfig {kubeconfig}: cannot load a Kubernetes configuration "
+                            f"({type(exc).__name__}: {exc})") from None
+        # Name the option first: outside a cluster, --kubeconfig is the fix people look for.
+        raise KubeError(f"--kubeconfig not given and no Kubernetes configuration found: no in-cluster service "
+                        f"account ({SERVICE_ACCOUNT}/token with KUBERNETES_SERVICE_HOST/PORT), no KUBECONFIG, no "
+                        f"~/.kube/config ({type(exc).__name__}: {exc}); pass --kubeconfig FILE") from None
 
 
 def explain(exc: Exception, doing: str) -> KubeError:
