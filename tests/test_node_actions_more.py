@@ -320,3 +320,33 @@ def test_a_kubeconfig_that_does_not_exist_exits_2_naming_it(tmp_path: Path) -> N
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"--kubeconfig {missing}" in result.stderr
+
+
+# --- 5. a failed undo is tried again -------------------------------------------------------------------
+
+def test_an_undo_that_fails_once_is_retried_so_the_node_is_not_left_cordoned(
+        api: KubeApi, harnesses: Callable[..., Harness]) -> None:
+    api.add_node("node-1")
+    h = harnesses(api, REBOOT_DRAIN.replace(", DRAIN", ", taint"))
+    h.poll(imds_event())
+    wait_until(lambda: h.approver.stage("E1") is Stage.ACTED, timeout=10)
+    assert api.node("node-1")["spec"]["unschedulable"] is True
+    api.fail_next("PATCH", r"^/api/v1/nodes/node-1$", 503, "etcdserver: request timed out")
+    h.poll()  # the event ends; the uncordon PATCH fails once
+    wait_until(lambda: ("undo", "failed") in h.actions(), timeout=10, message="the failed undo")
+    assert "503" in h.detail("undo") and api.node("node-1")["spec"]["unschedulable"] is True
+
+    def undone() -> bool:
+        h.poll()  # later polls (no change in the document) try again
+        return not api.node("node-1")["spec"].get("unschedulable")
+
+    wait_until(undone, timeout=10, message="the undo tried again")
+    h.settle()
+    node = api.node("node-1")
+    assert not node["spec"].get("taints") and ledger(api) == {}
+    assert h.actions()[-2:] == [("undo", "failed"), ("undo", "ok")]
+    assert h.counter("undo", "failed") == 1 and h.counter("undo", "ok") == 1
+    for _ in range(3):  # done: never again
+        h.poll()
+    h.settle()
+    assert h.counter("undo", "ok") == 1 and h.actions().count(("undo", "ok")) == 1

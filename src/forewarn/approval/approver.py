@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: How long an approved event may stay Scheduled before the approval is sent again.
 CONFIRM_AFTER = 30.0
+#: How long a failed undo of node actions is tried again (at later polls, with backoff) before giving up.
+UNDO_RETRY_FOR = 3600.0
 
 
 class Stage(str, Enum):
@@ -96,6 +98,19 @@ class Track:
         self.stage = to
 
 
+@dataclass
+class Undo:
+    """The undo of one ended event's node actions, until it succeeds (or UNDO_RETRY_FOR has passed)."""
+
+    event: Event
+    vm: VmInfo
+    incarnation: int
+    first_try: float
+    attempts: int = 0
+    next_attempt: float = 0.0
+    running: bool = True              # on the pool now: not handed on again meanwhile
+
+
 #: Events the policy may still approve at this poll: the ones not approved yet, nor under way.
 _OPEN = (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED, Stage.PREPARED, Stage.HOOK_FAILED, Stage.START_FAILED)
 
@@ -122,6 +137,10 @@ class Approver:
         self._request: Future[object] | None = None  # the start request under way: one at a time
         self._approvals: collections.deque[float] = collections.deque()
         self._backoff = Backoff(base=2.0, cap=30.0)
+        # Undos that failed (an API error): tried again at later polls, so one transient error never
+        # leaves the node cordoned by forewarn. By event id.
+        self._undos: dict[str, Undo] = {}
+        self._undo_backoff = Backoff(base=1.0, cap=30.0)
         self._cap_logged = False
         self._incarnation = 0
 
@@ -173,9 +192,15 @@ class Approver:
                     self._tracks.pop(change.event.event_id, None)
                     if self.actor is not None and change.event.affects(vm.name):
                         # Also after a restart (no track): the node's annotation says what there is to undo.
-                        self._submit(self._undo, change.event, vm, change.incarnation)
+                        undo = Undo(change.event, vm, change.incarnation, first_try=now)
+                        self._undos[change.event.event_id] = undo
+                        self._submit(self._undo, undo)
                     if change.outcome is Outcome.COMPLETED and change.event.affects(vm.name) and self.policy.recover:
                         self._submit(self._run_hooks, self.policy.recover, "recover", change.event, vm, None)
+            for undo in self._undos.values():
+                if not undo.running and now >= undo.next_attempt:
+                    undo.running = True
+                    self._submit(self._undo, undo)
             # One start request at a time: the answer to the one under way may change what to ask next.
             busy = self._request is not None and not self._request.done()
             batch: list[tuple[Event, str]] = []
@@ -308,12 +333,40 @@ class Approver:
             if self._tracks.get(event.event_id) is track:
                 track.move(Stage.ACTED if ok else Stage.ACT_FAILED)
 
-    def _undo(self, event: Event, vm: VmInfo, incarnation: int) -> None:
+    def _undo(self, undo: Undo) -> None:
         assert self.actor is not None
+        event = undo.event
+        report = self._reporter(event, undo.vm, None, undo.incarnation)
+        failed = False
+
+        def noting(outcome: ActionOutcome) -> None:
+            nonlocal failed
+            failed = failed or outcome.result == "failed"
+            report(outcome)
+
         try:
-            self.actor.undo(event.event_id, self.dry_run, self._reporter(event, vm, None, incarnation))
+            self.actor.undo(event.event_id, self.dry_run, noting)
         except Exception:
             log.exception("undoing the node actions of event %s failed unexpectedly", event.event_id)
+            failed = True
+        with self._lock:
+            now = self.clock()
+            if self._undos.get(event.event_id) is not undo:
+                return
+            if not failed:
+                del self._undos[event.event_id]
+                return
+            undo.attempts += 1
+            undo.running = False
+            undo.next_attempt = now + self._undo_backoff.delay(undo.attempts - 1)
+            if undo.next_attempt - undo.first_try > UNDO_RETRY_FOR:
+                del self._undos[event.event_id]
+                log.error("undoing the node actions of event %s still fails after %d attempts in %.0f s; giving "
+                          "up: the node keeps what the annotation forewarn.io/applied lists for it", event.event_id,
+                          undo.attempts, now - undo.first_try)
+            else:
+                log.warning("will try the undo of event %s again in %.0f s (attempt %d failed)", event.event_id,
+                            undo.next_attempt - now, undo.attempts)
 
     def _reporter(self, event: Event, vm: VmInfo, rule: str | None,
                   incarnation: int) -> Callable[[ActionOutcome], None]:
