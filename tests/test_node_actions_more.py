@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from forewarn.node import KubeNodeActor
 from forewarn.node.drain import LEASE_SECONDS
 from test_node_actions import CLUSTER_ROLE, Harness, imds_event
 
-from conftest import wait_until
+from conftest import CollectorProcess, SimulatorHandle, sample, wait_for_polls, wait_until
 from peers.kube_api import KubeApi
 
 RELOAD_OK = "azure_scheduled_events_policy_last_reload_successful"
@@ -350,3 +351,53 @@ def test_an_undo_that_fails_once_is_retried_so_the_node_is_not_left_cordoned(
         h.poll()
     h.settle()
     assert h.counter("undo", "ok") == 1 and h.actions().count(("undo", "ok")) == 1
+
+
+# --- 6. SIGHUP adding node actions to a run without --node-name ------------------------------------------
+
+HOLD_ALL = "version: 1\nrules:\n  - name: hold-all\n    action: hold\n"
+USER_REBOOT_NODE = ("version: 1\nrules:\n  - name: user-reboot\n    match:\n      source: [User]\n"
+                    "    node: [cordon]\n    action: approve\n    on_failure: approve\n")
+
+
+@pytest.mark.slow
+def test_sighup_adding_node_actions_without_node_name_is_refused_and_the_old_policy_kept(
+        tmp_path: Path, simulator: Callable[..., SimulatorHandle],
+        collector: Callable[..., CollectorProcess]) -> None:
+    sim = simulator("user-reboot")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(HOLD_ALL)
+    proc = collector(sim.url, "--policy", str(policy))
+    wait_until(lambda: "rule hold-all holds it" in proc.log(), message="the hold under the first policy")
+    assert sample(proc.metrics(), RELOAD_OK) == 1
+    policy.write_text(USER_REBOOT_NODE)
+    assert proc.proc is not None
+    proc.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: sample(proc.metrics(), RELOAD_OK) == 0, message="the refused reload in the metrics")
+    (line,) = [line for line in proc.log().splitlines() if "received SIGHUP" in line]
+    assert "ERROR" in line and "--node-name" in line and "keeping the previous policy" in line, line
+    wait_for_polls(proc, 3)
+    assert proc.alive() and sim.sim.approval_posts == []
+    assert "rule user-reboot" not in proc.log(), "the refused policy never decided anything"
+    assert "Traceback" not in proc.log()
+
+
+@pytest.mark.slow
+def test_sighup_adding_node_actions_with_node_name_builds_the_client_and_acts(
+        tmp_path: Path, api: KubeApi, simulator: Callable[..., SimulatorHandle],
+        collector: Callable[..., CollectorProcess]) -> None:
+    api.add_node("node-1")
+    sim = simulator("user-reboot")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(HOLD_ALL)
+    proc = collector(sim.url, "--policy", str(policy), "--node-name", "node-1", "--kubeconfig",
+                     str(api.kubeconfig(tmp_path / "kubeconfig")))
+    wait_until(lambda: "rule hold-all holds it" in proc.log(), message="the hold under the first policy")
+    assert api.requests == [], "no Kubernetes client without node actions"
+    policy.write_text(USER_REBOOT_NODE)
+    assert proc.proc is not None
+    proc.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: sim.sim.approval_posts, timeout=10, message="the approval after the node action")
+    assert api.node("node-1")["spec"]["unschedulable"] is True
+    assert sample(proc.metrics(), RELOAD_OK) == 1
+    assert sample(proc.metrics(), "azure_scheduled_events_node_actions_total", action="cordon", result="ok") == 1

@@ -196,6 +196,14 @@ def reload_policy(settings: Settings, approver: Approver | None, metrics: Metric
         metrics.policy_reload_ok.set(0)
         log.error("received SIGHUP: cannot reload the policy (%s); keeping the previous policy", exc)
         return
+    if policy.uses_node_actions and approver.actor is None:
+        # As at start-up (exit 2): node actions need a node, and a Kubernetes client built for it.
+        try:
+            approver.actor = build_actor(settings, True, metrics)
+        except ConfigError as exc:
+            metrics.policy_reload_ok.set(0)
+            log.error("received SIGHUP: cannot reload the policy (%s); keeping the previous policy", exc)
+            return
     approver.replace_policy(policy, dry_run=settings.dry_run)
     metrics.policy_reload_ok.set(1)
     metrics.policy_reload_time.set(time.time())
