@@ -18,6 +18,7 @@ bench: setup
 	$(PYTHON) bench/soak.py
 	$(PYTHON) bench/hostile.py
 	$(PYTHON) bench/tls.py
+	$(PYTHON) bench/node_actions.py
 	$(PYTHON) bench/report.py | tee bench/results/report.md
 
 # A smoke run of the same (about 15 minutes): small samples, figures not for publishing.
@@ -28,4 +29,5 @@ bench-quick: setup
 	$(PYTHON) bench/soak.py --hours 2 --minutes 3 --kill-every 40
 	$(PYTHON) bench/hostile.py --quick
 	$(PYTHON) bench/tls.py --quick
+	$(PYTHON) bench/node_actions.py --quick
 	$(PYTHON) bench/report.py

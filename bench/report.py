@@ -150,9 +150,32 @@ def hostile(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def node_actions(results: dict[str, Any]) -> list[str]:
+    run = "quick run: " if results.get("quick") else ""
+    steady = results["with_node_actions"]["steady_s"]
+    lines = [f"Node actions ({run}{results['date']}; file sink, 1 poll/s, {steady:g} s of steady polling after the "
+             "event)", "",
+             "| configuration | RSS | peak RSS (VmHWM) | goal | |", "| --- | --- | --- | --- | --- |"]
+    for key, label in (("idle_no_policy", "no policy (idle)"), ("without_node_actions", "policy, no node actions"),
+                       ("with_node_actions", "policy with cordon, condition, event, drain")):
+        row = results.get(key)
+        if row is None:
+            continue
+        goal, ok = ("<= 45 MB", max(row["rss_mib"], row["peak_rss_mib"]) <= 45 * MB) if key == "with_node_actions" \
+            else ("-", None)
+        lines.append(f"| {label} | {row['rss_mib']:.1f} MiB ({row['rss_mib'] / MB:.1f} MB) | "
+                     f"{row['peak_rss_mib']:.1f} MiB ({row['peak_rss_mib'] / MB:.1f} MB) | {goal} | "
+                     f"{'' if ok is None else verdict(ok)} |")
+    acted = results["with_node_actions"]
+    lines += ["", f"Node actions ok: {acted['node_actions_ok']}; failed: {acted['node_actions_failed']:g}; "
+              f"{acted['evictions']} evictions, {acted['api_requests']} API requests; "
+              f"difference with node actions: {results['difference_mib']:+.1f} MiB."]
+    return lines
+
+
 def main() -> None:
     for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak),
-                         ("hostile", hostile)):
+                         ("hostile", hostile), ("node_actions", node_actions)):
         results = load(name)
         if results is not None:
             print("\n".join(render(results)) + "\n")
