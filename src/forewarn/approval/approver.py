@@ -9,7 +9,8 @@ only place a stage changes, and `STAGES` lists every step it may take.
 
 A rule's node actions (cordon, drain, ...) run first, once per event, on the pool through the `NodeActor`
 (only for events that affect this VM); each outcome becomes a `node_action` record and a count. What they
-applied is undone when the event leaves the document, completed or cancelled.
+applied is undone when the event leaves the document, completed or cancelled; an undo that fails (an API
+error) is tried again at later polls, with backoff, for up to UNDO_RETRY_FOR.
 """
 
 from __future__ import annotations
