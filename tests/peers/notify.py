@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import select
 import ssl
 import threading
 import time
@@ -57,11 +58,14 @@ class Received:
         self.accepted: list[dict[str, Any]] = []     # {"id": ..., "headers": ..., "body": ...}
         self.errors: list[str] = []
         self.throttled: list[float] = []             # monotonic times of the 429s sent
-        self.attempts: list[float] = []              # monotonic times of every request
+        self.attempts: list[float] = []              # monotonic times of every request, as it arrives
+        self.accepted_at: list[float] = []           # monotonic times of every request taken
         self.down = False
         self.throttle = 0                            # answer 429 this many more times
         self.retry_after = 1
         self.delay = 0.0                             # seconds each POST takes before it is looked at
+        self.in_flight = 0                           # POSTs arrived and not yet answered
+        self.abandoned = 0                           # POSTs whose client went away before the answer
 
     def ids(self) -> list[str]:
         with self.lock:
@@ -96,6 +100,10 @@ class NotifyPeer:
                     self.request.do_handshake()
                 super().setup()
 
+            def _client_gone(self) -> bool:
+                # A kept-alive client sends nothing while it waits for the answer: readable means closed.
+                return bool(select.select([self.connection], [], [], 0)[0])
+
             def do_GET(self) -> None:
                 status, body = peer.token_request(self.path, {k.lower(): v for k, v in self.headers.items()})
                 self.send_response(status)
@@ -107,7 +115,10 @@ class NotifyPeer:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
-                status, extra = peer.handle(self.path, dict(self.headers.items()), body)
+                status, extra = peer.handle(self.path, dict(self.headers.items()), body, self._client_gone)
+                if status == 0:  # nobody to answer: the request is dropped, as a service drops a cut request
+                    self.close_connection = True
+                    return
                 answer = b"ok"
                 if peer.kind == "logs":  # as the service: 204 without a body, or an Azure error object
                     status = 204 if status == 200 else status
@@ -155,12 +166,28 @@ class NotifyPeer:
                                 "resource": query["resource"][0]}).encode()
 
     # --- one request ----------------------------------------------------------------------------------
-    def handle(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str]]:
+    def handle(self, path: str, headers: dict[str, str], body: bytes,
+               client_gone: Callable[[], bool] = lambda: False) -> tuple[int, dict[str, str]]:
+        """The status and headers of the answer; 0: the client left before the answer, nothing taken."""
         got = self.received
-        if got.delay:
-            time.sleep(got.delay)  # a slow service: a SIGKILL can land while a request is in flight
         with got.lock:
             got.attempts.append(time.monotonic())
+            got.in_flight += 1
+        try:
+            if got.delay:
+                time.sleep(got.delay)  # a slow service: a SIGKILL can land while a request is in flight
+                if client_gone():
+                    with got.lock:
+                        got.abandoned += 1
+                    return 0, {}
+            return self._answer(path, headers, body)
+        finally:
+            with got.lock:
+                got.in_flight -= 1
+
+    def _answer(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str]]:
+        got = self.received
+        with got.lock:
             if got.down:
                 return 503, {}
             if got.throttle > 0:
@@ -175,6 +202,7 @@ class NotifyPeer:
             return 400, {}
         with got.lock:
             got.accepted.extend(items)
+            got.accepted_at.append(time.monotonic())
         return 200, {}
 
     def _check_cloudevents(self, path: str, headers: dict[str, str], body: bytes) -> list[dict[str, Any]]:
