@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -258,15 +259,24 @@ def test_outage_throttling_and_sigkill_lose_nothing_and_repeat_nothing(
     wait_until(lambda: len(peer.received.ids()) >= 10, timeout=30, message="10 records delivered")
     after_429 = [at for at in peer.received.attempts if at > peer.received.throttled[0]]
     assert after_429[0] - peer.received.throttled[0] >= 1.9
-    # SIGKILL in the middle of the drain, then a new process on the same state dir.
+    # SIGKILL while a message is in flight, then a new process on the same state dir. The stand-in is made
+    # slow and drops a request whose client has gone, so the message in flight must come again from the new
+    # process. (A kill between the service taking a message and the agent hearing so would repeat that one
+    # message: at-least-once, see docs/notifications.md; killing early in a slow request avoids that window.)
+    got = peer.received
+    got.delay = 0.5
+    wait_until(lambda: got.in_flight == 1 and time.monotonic() - got.attempts[-1] < 0.1, timeout=20,
+               interval=0.005, message="a message just sent")
     proc.kill()
-    assert len(peer.received.ids()) < len(expected), "the kill came after the drain ended"
+    got.delay = 0.0
+    assert len(got.ids()) < len(expected), "the kill came after the drain ended"
     proc = collector(sim.url, "--sink", sink, *rate, env=env, name="state")
     wait_until(lambda: len(peer.received.ids()) >= len(expected), timeout=30, message="every record")
     wait_until(lambda: sample(proc.metrics(), "azure_scheduled_events_outbox_records", sink=sink) == 0,
                timeout=10, message="an empty backlog")
     assert peer.received.errors == []
     assert peer.received.ids() == expected, "every record, in order, each id once"
+    assert got.abandoned == 1, "the message in flight at the kill was dropped, then sent again"
 
 
 @pytest.mark.slow
