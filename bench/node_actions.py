@@ -103,8 +103,7 @@ def run(directory: Path, node_actions: bool, steady: float, policy_on: bool = Tr
         # undoes what it applied
         url = collector.url
         if not policy_on:   # idle: no policy, no approval; the event is only observed and recorded
-            wait_for("the event's completion", lambda: metric(
-                url, "azure_scheduled_events_ended_total", event_type="Reboot", outcome="completed") >= 1, 120)
+            wait_for("the event's record", lambda: records.exists() and "BENCH-REBOOT" in records.read_text(), 60)
             time.sleep(steady)
             return {"rss_mib": round(rss_mib(collector.pid), 1), "peak_rss_mib": round(peak_rss_mib(collector.pid), 1),
                     "steady_s": steady, "alive": collector.proc.poll() is None}
