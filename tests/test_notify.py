@@ -6,6 +6,7 @@ Retry-After and a SIGKILL; every record arrives, none twice for the same record 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -307,3 +308,21 @@ def test_the_deploy_file_declares_the_columns_the_logs_sink_sends() -> None:
     assert template["variables"]["streamName"] in rule["streamDeclarations"]
     for record in make_records(2):
         assert set(to_row(record)) <= set(COLUMNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_second", [5.0])
+def test_the_rate_limit_spaces_the_messages_of_a_sink(
+        per_second: float, tmp_path: Path, peers: Callable[[str], NotifyPeer],
+        simulator: Callable[..., SimulatorHandle], collector: Callable[..., CollectorProcess]) -> None:
+    peer = peers("cloudevents")
+    records = make_records(12)
+    preload(tmp_path / "state", "webhook", records)
+    collector(simulator("quiet").url, "--sink", "webhook", "--webhook-rate-limit", str(per_second),
+              env={"FOREWARN_WEBHOOK_URL": peer.url})
+    wait_until(lambda: len(peer.received.ids()) == len(records), timeout=20, message="every record")
+    times = peer.received.attempts
+    assert len(times) == len(records)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 1 / per_second - 0.02, gaps  # never faster than the limit
+    assert times[-1] - times[0] >= (len(records) - 1) / per_second - 0.05
