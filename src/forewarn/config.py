@@ -442,6 +442,18 @@ class Settings:
         return shown
 
 
+def safe_url(url: str) -> str:
+    """A URL as `scheme://host[:port]/...`, for secrets that are whole URLs (webhooks): their path, query
+    and user info often hold the token."""
+    try:
+        parts = urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+        host = parts.hostname or "?"
+    except ValueError:
+        return f"{url.split(':', 1)[0] if '://' in url else '?'}://?/..."
+    return f"{parts.scheme or '?'}://{host}{port}/..."
+
+
 def redact_url(text: str) -> str:
     """Hide user info and query strings (SAS tokens, webhook keys) in anything that looks like a URL."""
     for prefix in ("", "file:"):

@@ -88,7 +88,6 @@ class Poller:
         self.clock = clock
         self.listeners: list[ChangeListener] = []
         self.tracker = Tracker(self._load_history())
-        self._failures = 0
         self._imds_log = StateLog(log, "IMDS")
         self._warned: set[str] = set()
         self._next_compute = 0.0
@@ -125,7 +124,6 @@ class Poller:
         except DocumentError as exc:
             self.metrics.document_errors.inc()
             return self._poll_failed("document", f"reply is not a valid document: {exc}", None, retryable=True)
-        self._failures = 0
         self._imds_log.ok()
         self.handle_document(document, self.clock())
         return self.poll_interval
@@ -139,7 +137,6 @@ class Poller:
         OUTAGE_PACE (IMDS is per host and not shared, so there is no herd to spread), and later only when
         IMDS asks for it with Retry-After (capped by --imds-max-backoff).
         """
-        self._failures += 1
         self.metrics.views.imds_failed()
         kept = len(self.tracker.current.events) if self.tracker.current else 0
         self._imds_log.failing(key, f"{message}; keeping the last known {kept} event(s)")

@@ -21,7 +21,8 @@ from typing import Any
 import requests
 
 from forewarn import __version__
-from forewarn.approval.policy import Hook, safe_url
+from forewarn.approval.policy import Hook
+from forewarn.config import safe_url
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import escape_controls

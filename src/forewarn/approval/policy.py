@@ -25,11 +25,11 @@ from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import jsonschema
 import yaml
 
+from forewarn.config import safe_url
 from forewarn.imds.document import Event
 from forewarn.yamlerrors import yaml_problem
 
@@ -59,17 +59,6 @@ class Hook:
     def target(self) -> str:
         """What the hook runs, safe to show: the command's program, or the webhook as scheme://host/..."""
         return f"webhook {safe_url(self.webhook)}" if self.webhook else f"command {self.command[0]}"
-
-
-def safe_url(url: str) -> str:
-    """A webhook URL as `scheme://host[:port]/...`: its path, query and user info often hold a token."""
-    try:
-        parts = urlsplit(url)
-        port = f":{parts.port}" if parts.port else ""
-        host = parts.hostname or "?"
-    except ValueError:
-        return f"{url.split(':', 1)[0] if '://' in url else '?'}://?/..."
-    return f"{parts.scheme or '?'}://{host}{port}/..."
 
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from forewarn.config import safe_url
 from forewarn.records import Record
 from forewarn.sinks import SinkConfigError, SinkError
-from forewarn.sinks.notify import SentIds, shown_url
+from forewarn.sinks.notify import SentIds
 
 #: The stream's columns and their types, as declared in the data collection rule.
 COLUMNS: dict[str, str] = {
@@ -74,7 +75,7 @@ class LogsIngestionSink:
         self.credential = credential
         self.rule_id = rule_id
         self.stream = stream
-        self.target = shown_url(endpoint)
+        self.target = safe_url(endpoint)
         self._client = LogsIngestionClient(endpoint=endpoint, credential=credential, logging_enable=False)
         self.sent = SentIds(state_dir, self.name)
 

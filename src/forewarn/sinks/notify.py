@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from forewarn.config import safe_url
 from forewarn.records import APPROVED, Record
 from forewarn.retry import parse_retry_after
 from forewarn.sinks import SinkConfigError, SinkError
@@ -50,15 +51,6 @@ class NotifyError(SinkError):
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-def shown_url(url: str) -> str:
-    """`scheme://host[:port]/...`: enough to tell endpoints apart, nothing of the path or query that holds
-    the key."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}/..."
 
 
 def check_url(url: str | None, what: str) -> str:
@@ -223,7 +215,7 @@ class Poster:
         import urllib3
 
         self.url = url
-        self.target = shown_url(url)
+        self.target = safe_url(url)
         self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
         ca_file = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or certifi.where()
         proxy = requests.utils.get_environ_proxies(url).get(urlsplit(url).scheme)
