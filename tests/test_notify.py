@@ -326,3 +326,36 @@ def test_the_rate_limit_spaces_the_messages_of_a_sink(
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert min(gaps) >= 1 / per_second - 0.02, gaps  # never faster than the limit
     assert times[-1] - times[0] >= (len(records) - 1) / per_second - 0.05
+
+
+def test_an_endless_answer_is_not_read_past_the_cap() -> None:
+    import socket
+    import threading
+
+    from forewarn.sinks.notify import MAX_ANSWER_BYTES, Poster
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    sent = [0]
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
+        try:
+            while sent[0] < 50 * 1024 * 1024:  # far more than the cap, if anyone read it
+                conn.sendall(b" " * 65536)
+                sent[0] += 65536
+        except OSError:
+            pass
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    poster = Poster(f"http://127.0.0.1:{server.getsockname()[1]}/hook", timeout=5)
+    poster.post(b"{}", {"Content-Type": "application/json"})
+    thread.join(10)
+    server.close()
+    assert sent[0] < 50 * 1024 * 1024, "the connection was dropped instead of read to the end"
+    assert MAX_ANSWER_BYTES <= 64 * 1024

@@ -43,6 +43,8 @@ MAX_SENT = 10_000
 SENT_FILE = "notify-sent.db"
 #: Per-request timeout (connect and each read).
 TIMEOUT = 10.0
+#: Most of an endpoint's answer read: forewarn only needs its status.
+MAX_ANSWER_BYTES = 64 * 1024
 
 
 class NotifyError(SinkError):
@@ -227,7 +229,14 @@ class Poster:
 
         try:
             response = self._pool.request("POST", self.url, body=body, headers=dict(headers), timeout=self._timeout,
-                                          redirect=False, retries=False)
+                                          redirect=False, retries=False, preload_content=False)
+            # The answer's body is not needed: read at most MAX_ANSWER_BYTES so the connection can be kept,
+            # and drop the connection when there is more (an endpoint cannot make forewarn hold megabytes).
+            response.read(MAX_ANSWER_BYTES)
+            if response.read(1):
+                response.close()
+            else:
+                response.release_conn()
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # str(exc) of a connection error quotes the URL, path and query included: name the type only.
             raise NotifyError(f"POST {self.target}: {type(exc).__name__}") from None
