@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
+from typing import Any
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, parse_document
 from forewarn.imds.instance import VmInfo
@@ -214,6 +216,16 @@ def test_document_families_are_rendered_again_only_when_the_document_vm_or_a_sta
     assert text.count(b"# EOF") == 1 and text.endswith(b"# EOF\n")
 
 
+class _CountingCondition(threading.Condition):
+    """A Condition that counts its waits (the scrapes that found a rendering under way)."""
+
+    waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1  # the lock is held here
+        return super().wait(timeout)
+
+
 def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() -> None:
     metrics = Metrics()
     many = parse_document({"DocumentIncarnation": 9, "Events": [  # a rendering that takes a while
@@ -224,20 +236,40 @@ def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() 
     for expected in (1, 2, 3):  # one after another: each scrape renders afresh
         metrics.render()
         assert metrics.renders == expected
-    barrier = threading.Barrier(20)
+    # Deterministic overlap: the first scrape's rendering is held until the 19 that arrive after it
+    # began are all waiting; they cannot use it (it began before they arrived) and share the next one.
+    rendering = metrics._rendering
+    flight = _CountingCondition()
+    rendering._flight = flight
+    render_once = rendering._render
+    first_started = threading.Event()
+
+    def held_render(encoder: Any) -> bytes:
+        if not first_started.is_set():
+            first_started.set()
+            deadline = time.monotonic() + 10
+            while flight.waiting < 19 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return render_once(encoder)
+
+    rendering._render = held_render  # type: ignore[method-assign]
     bodies: list[bytes] = []
 
-    def scrape_together() -> None:
-        barrier.wait()
+    def scrape() -> None:
         bodies.append(metrics.render()[0])
 
-    threads = [threading.Thread(target=scrape_together) for _ in range(20)]
+    first = threading.Thread(target=scrape)
+    first.start()
+    assert first_started.wait(10)
+    threads = [threading.Thread(target=scrape) for _ in range(19)]
     for thread in threads:
         thread.start()
-    for thread in threads:
+    for thread in [first, *threads]:
         thread.join()
+    assert flight.waiting >= 19
     assert len(bodies) == 20 and all(b"azure_scheduled_event_info{" in body for body in bodies)
-    assert 3 < metrics.renders < 3 + 20
+    assert metrics.renders == 3 + 2  # the held one, then one for the 19 together
+    rendering._render = render_once  # type: ignore[method-assign]
     # each content type is rendered on its own
     text, content_type = metrics.render(OPENMETRICS)
     assert text.endswith(b"# EOF\n") and content_type.startswith("application/openmetrics-text")

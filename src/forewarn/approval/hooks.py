@@ -18,8 +18,6 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-import requests
-
 from forewarn import __version__
 from forewarn.approval.policy import Hook
 from forewarn.config import safe_url
@@ -78,6 +76,8 @@ def run_hook(hook: Hook, kind: str, event: Event, vm: VmInfo, rule: str | None,
     payload = json.dumps(hook_payload(kind, event, vm, rule))
     label = f"{kind} hook {hook.name} for {event.event_id}"
     if hook.webhook:
+        import requests  # only for webhook hooks: a policy of command hooks never loads it (about 5 MiB)
+
         try:
             response = requests.post(hook.webhook, data=payload, timeout=hook.timeout,
                                      headers={"Content-Type": "application/json",

@@ -11,13 +11,8 @@ Facts this relies on (see shared IMDS.md):
 from __future__ import annotations
 
 import collections
-import errno
 import http.client
-import io
 import json
-import os
-import select
-import socket
 import ssl
 import threading
 import time
@@ -26,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.deadline import Deadline, DeadlineConnection
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
 from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
@@ -140,127 +136,13 @@ class ReplyTooLarge(ImdsError):
         return "too_large"
 
 
-class Deadline:
-    """The moment by which a request must be done, and the stop signal that ends it sooner.
-
-    A socket timeout bounds each read, not the request: a reply trickled one byte a second never trips
-    a 2 s timeout. So every blocking step asks `remaining()` first and waits at most `SLICE` at a time,
-    which also lets a stop signal interrupt any wait within `SLICE`.
-    """
-
-    SLICE = 0.25
-
-    def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-        self.stop = stop
-
-    def remaining(self) -> float:
-        """Seconds left; raises Stopped or TimeoutError when there are none."""
-        if self.stop is not None and self.stop.is_set():
-            raise Stopped()
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no complete answer within {self.seconds:g} s")
-        return left
-
-    def slice(self) -> float:
-        return min(self.remaining(), self.SLICE)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """The socket as http.client reads it, every read bounded by the request's deadline."""
-
-    def __init__(self, owner: _DeadlineSocket) -> None:
-        self._owner = owner
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        sock = self._owner.sock
-        deadline = self._owner.connection.deadline
-        while True:
-            sock.settimeout(deadline.slice())
-            try:
-                return sock.recv_into(buffer)
-            except TimeoutError:
-                continue
-
-    def close(self) -> None:
-        if not self.closed:
-            super().close()
-            self._owner.release()
-
-
-class _DeadlineSocket:
-    """What http.client holds as its socket: sends and reads both bounded by the current deadline.
-
-    Like the standard library's socket files, a reader keeps the socket open after `close()` until the
-    reader is closed too: http.client closes the connection before reading a body that ends with it.
-    """
-
-    def __init__(self, sock: socket.socket, connection: _Connection) -> None:
-        self.sock = sock
-        self.connection = connection
-        self._readers = 0
-        self._closed = False
-
-    def sendall(self, data: bytes) -> None:
-        self.sock.settimeout(self.connection.deadline.remaining())
-        self.sock.sendall(data)
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        self._readers += 1
-        return io.BufferedReader(_DeadlineReader(self))
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def release(self) -> None:
-        self._readers -= 1
-        if self._closed and self._readers <= 0:
-            self.sock.close()
-
-    def close(self) -> None:
-        self._closed = True
-        if self._readers <= 0:
-            self.sock.close()
-
-
-class _Connection(http.client.HTTPConnection):
-    """An HTTP/1.1 connection to IMDS whose every step (connect, send, each read) honours `deadline`."""
-
-    def __init__(self, endpoint: str) -> None:
-        parts = urlsplit(endpoint)
-        super().__init__(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-        self.tls = parts.scheme == "https"
-        self.deadline = Deadline(CONNECT_TIMEOUT)
-
-    def connect(self) -> None:
-        family, kind, proto, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            error = sock.connect_ex(address)
-            connect_by = Deadline(min(CONNECT_TIMEOUT, self.deadline.remaining()), self.deadline.stop)
-            while error in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
-                try:
-                    _, writable, failed = select.select([], [sock], [sock], connect_by.slice())
-                except TimeoutError:
-                    raise TimeoutError(f"no connection within {connect_by.seconds:g} s") from None
-                if writable or failed:
-                    error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                raise ConnectionError(error, os.strerror(error))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls:
-                sock.settimeout(min(CONNECT_TIMEOUT, self.deadline.remaining()))
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = _DeadlineSocket(sock, self)
+def _connection(endpoint: str) -> DeadlineConnection:
+    """An HTTP/1.1 connection to IMDS whose every step honours the deadline its caller sets."""
+    parts = urlsplit(endpoint)
+    tls = parts.scheme == "https"
+    return DeadlineConnection(parts.hostname or "", parts.port or (443 if tls else 80),
+                              context=ssl.create_default_context() if tls else None,
+                              connect_timeout=CONNECT_TIMEOUT, deadline=Deadline(CONNECT_TIMEOUT, stopped=Stopped))
 
 
 class ImdsClient:
@@ -296,7 +178,7 @@ class ImdsClient:
         self._last_reply: tuple[bytes, Document] | None = None
         # Polls (the same GET every second, forever) keep one connection alive; everything else is rare
         # and opens its own.
-        self._poll = _Connection(self.endpoint)
+        self._poll = _connection(self.endpoint)
         self._poll_lock = threading.Lock()
 
     def close(self) -> None:
@@ -310,11 +192,11 @@ class ImdsClient:
         settle again instead of queueing on the limiter in bursts."""
         return self.limiter.window / max(1, self.limiter.limit - POLL_RESERVE) + 0.01
 
-    def _exchange(self, conn: _Connection, method: str, target: str, body: bytes | None,
+    def _exchange(self, conn: DeadlineConnection, method: str, target: str, body: bytes | None,
                   deadline: Deadline) -> tuple[int, bytes, str | None]:
         """One request on `conn`: status, body (at most max_reply_bytes) and Retry-After."""
         conn.deadline = deadline
-        if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+        if conn.stale():
             conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
         headers = dict(self._headers)
         if body is not None:
@@ -348,7 +230,7 @@ class ImdsClient:
         self.limiter.acquire(reserve, self.stop)
         started = time.monotonic()
         code = "error"
-        deadline = Deadline(timeout, self.stop)
+        deadline = Deadline(timeout, self.stop, Stopped)
         target = f"{path}?{urlencode(params)}"
         payload = json.dumps(body).encode() if body is not None else None
         try:
@@ -356,7 +238,7 @@ class ImdsClient:
                 with self._poll_lock:
                     status, data, retry_after = self._exchange(self._poll, method, target, payload, deadline)
             else:
-                conn = _Connection(self.endpoint)
+                conn = _connection(self.endpoint)
                 try:
                     status, data, retry_after = self._exchange(conn, method, target, payload, deadline)
                 finally:
