@@ -219,8 +219,18 @@ class HostileImds:
         finally:
             conn.close()
 
+    def close_connections(self) -> None:
+        """Close every open connection (as a server does to idle kept-alive ones); keep listening."""
+        with self._lock:
+            conns, self._conns = list(self._conns), []
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
