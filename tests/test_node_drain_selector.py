@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from forewarn.approval.approver import Stage
 from forewarn.approval.policy import PolicyError, load_policy, parse_label_selector, parse_policy
@@ -258,3 +259,11 @@ def test_policy_explain_shows_the_selector(tmp_path: Path) -> None:
     assert ("  node     taint forewarn.io/scheduled-event=<event type>:NoSchedule; condition ForewarnScheduledEvent; "
             "event Warning ScheduledEvent; drain pods matching forewarn.io/cannot-pause=true (within 300 s, done 30 s "
             "before NotBefore; at most 5 node(s) draining at once) -> this VM's node (--node-name)") in result.stdout
+
+
+def test_the_freeze_rules_in_the_docs_are_the_shipped_ones() -> None:
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = docs.split("Its Freeze rules:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    shipped = {rule["name"]: rule for rule in yaml.safe_load(AKS_POLICY.read_text())["rules"]}
+    documented = yaml.safe_load(block)
+    assert documented == [shipped["short-freeze"], shipped["long-freeze"]]
