@@ -72,6 +72,135 @@ def _hide_urls(message: str, webhooks: Sequence[str]) -> str:
     return _URL.sub(lambda found: safe_url(found.group(0)), message)
 
 
+# A label key: an optional DNS-subdomain prefix and '/', then a name of at most 63 characters
+# (Kubernetes' IsQualifiedName); a value: empty or a name of at most 63 characters (IsValidLabelValue).
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_KEY = re.compile(rf"({_LABEL_PREFIX}/)?{_LABEL_NAME}")
+_LABEL_VALUE = re.compile(rf"({_LABEL_NAME})?")
+_SELECTOR_TOKEN = re.compile(r"\s*(==|!=|=|!|\(|\)|,|<|>|[^\s!=(),<>]+)")
+SELECTOR_GRAMMAR = "k=v, k==v, k!=v, k, !k, k in (a,b), k notin (a,b), joined by ',' (all must hold)"
+
+
+@dataclass(frozen=True)
+class LabelRequirement:
+    """One term of a label selector: `op` is =, !=, in, notin, exists or ! (the key is absent)."""
+
+    key: str
+    op: str
+    values: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.op == "exists":
+            return self.key
+        if self.op == "!":
+            return f"!{self.key}"
+        if self.op in ("in", "notin"):
+            return f"{self.key} {self.op} ({','.join(self.values)})"
+        return f"{self.key}{self.op}{self.values[0]}"
+
+
+def _label_key(text: str) -> str:
+    if not _LABEL_KEY.fullmatch(text) or len(text.rpartition("/")[0]) > 253:
+        raise ValueError(f"{text!r} is not a valid label key: a name of at most 63 letters, digits, '-', '_' and "
+                         "'.', starting and ending with a letter or digit, optionally after a DNS subdomain and "
+                         "'/' (e.g. forewarn.io/cannot-pause)")
+    return text
+
+
+def _label_value(text: str) -> str:
+    if not _LABEL_VALUE.fullmatch(text):
+        raise ValueError(f"{text!r} is not a valid label value: at most 63 letters, digits, '-', '_' and '.', "
+                         "starting and ending with a letter or digit")
+    return text
+
+
+def parse_label_selector(text: str) -> tuple[LabelRequirement, ...]:
+    """The requirements of a label selector in the grammar of `kubectl -l` (SELECTOR_GRAMMAR), checked as
+    the API server checks them; raises ValueError saying what is wrong and where. An empty selector, which
+    would select every pod, is refused: a drain of the whole node is a drain without a selector."""
+    tokens: list[str] = []
+    position = 0
+    while position < len(text):
+        found = _SELECTOR_TOKEN.match(text, position)
+        if found is None:  # only trailing whitespace is left
+            break
+        tokens.append(found.group(1))
+        position = found.end()
+    if not tokens:
+        raise ValueError("the selector is empty; leave 'selector' out to drain every pod on the node")
+    requirements: list[LabelRequirement] = []
+    at = 0
+
+    def peek() -> str | None:
+        return tokens[at] if at < len(tokens) else None
+
+    def take(what: str) -> str:
+        nonlocal at
+        token = peek()
+        if token is None:
+            raise ValueError(f"expected {what} at the end")
+        at += 1
+        return token
+
+    def is_word(token: str | None) -> bool:
+        return token is not None and token not in ("==", "!=", "=", "!", "(", ")", ",", "<", ">")
+
+    while True:
+        first = take("a requirement")
+        if first == "!":
+            key = take("a label key after '!'")
+            if not is_word(key):
+                raise ValueError(f"expected a label key after '!', found {key!r}")
+            requirements.append(LabelRequirement(_label_key(key), "!"))
+        elif not is_word(first) or first in ("in", "notin"):
+            raise ValueError(f"expected a label key, found {first!r}")
+        else:
+            key = _label_key(first)
+            operator = peek()
+            if operator is None or operator == ",":
+                requirements.append(LabelRequirement(key, "exists"))
+            elif operator in ("=", "==", "!="):
+                at += 1
+                value = peek()
+                if value is None or value == ",":  # k= selects the label with an empty value
+                    value = ""
+                elif is_word(value):
+                    at += 1
+                else:
+                    raise ValueError(f"expected a value after '{key}{operator}', found {value!r}")
+                requirements.append(LabelRequirement(key, "!=" if operator == "!=" else "=", (_label_value(value),)))
+            elif operator in ("in", "notin"):
+                at += 1
+                if peek() != "(":
+                    raise ValueError(f"expected '(' after '{key} {operator}', e.g. {key} {operator} (x,y)")
+                at += 1
+                if peek() == ")":
+                    raise ValueError(f"the set of '{key} {operator}' is empty; it needs at least one value")
+                values: list[str] = []
+                while True:
+                    value = take(f"a value or ')' in the set of '{key} {operator}'")
+                    if not is_word(value):
+                        raise ValueError(f"expected a value in the set of '{key} {operator}', found {value!r}")
+                    values.append(_label_value(value))
+                    after = take(f"',' or ')' in the set of '{key} {operator}'")
+                    if after == ")":
+                        break
+                    if after != ",":
+                        raise ValueError(f"expected ',' or ')' in the set of '{key} {operator}', found {after!r}")
+                requirements.append(LabelRequirement(key, operator, tuple(values)))
+            elif operator in ("<", ">"):
+                raise ValueError(f"the operator {operator!r} is not supported; valid: {SELECTOR_GRAMMAR}")
+            else:
+                raise ValueError(f"expected an operator or ',' after {key!r}, found {operator!r}")
+        separator = peek()
+        if separator is None:
+            return tuple(requirements)
+        if separator != ",":
+            raise ValueError(f"expected ',' or the end after '{requirements[-1]}', found {separator!r}")
+        at += 1
+
+
 @dataclass(frozen=True)
 class NodeAction:
     """One action on this Kubernetes node, with its options (those of other kinds keep their defaults)."""
@@ -89,6 +218,12 @@ class NodeAction:
     delete_local_data: bool = False            # drain: evict pods with emptyDir volumes too
     max_nodes: int = 1                         # drain: nodes draining at once, cluster-wide
     lease_namespace: str | None = None         # drain: where the Leases of that cap live
+    selector: tuple[LabelRequirement, ...] = ()  # drain: only the pods matching all of these; () every pod
+
+    @property
+    def selector_text(self) -> str:
+        """The drain's label selector as the API takes it ('' for a drain of every pod)."""
+        return ",".join(map(str, self.selector))
 
     def describe(self) -> str:
         """The action as `policy explain` shows it."""
@@ -103,7 +238,8 @@ class NodeAction:
         if self.kind == "drain":
             extra = f", grace at most {self.grace} s" if self.grace else ""
             local = ", evicting pods with local storage" if self.delete_local_data else ""
-            return (f"drain (within {self.timeout:g} s, done {self.margin:g} s before NotBefore{extra}{local}; "
+            pods = f" pods matching {self.selector_text}" if self.selector else ""
+            return (f"drain{pods} (within {self.timeout:g} s, done {self.margin:g} s before NotBefore{extra}{local}; "
                     f"at most {self.max_nodes} node(s) draining at once)")
         return self.kind
 
@@ -465,12 +601,13 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands:
         on_hook_failure=raw.get("on_hook_failure", "hold"),
         delay=float(raw.get("delay", 0)),
         approve_within=raw.get("approve_within"),
-        node=tuple(_node_action(item) for item in raw.get("node", [])),
+        node=tuple(_node_action(item, ["rules", index, "node", position], raw["name"], fail)
+                   for position, item in enumerate(raw.get("node", []))),
         on_failure=raw.get("on_failure", "hold"),
     )
 
 
-def _node_action(raw: str | Mapping[str, Any]) -> NodeAction:
+def _node_action(raw: str | Mapping[str, Any], at: list[str | int], rule: str, fail: Any) -> NodeAction:
     """A node action from its policy form (checked by the schema): a name, or {name: {options}}."""
     if isinstance(raw, str):
         return NodeAction(kind=raw)
@@ -479,6 +616,13 @@ def _node_action(raw: str | Mapping[str, Any]) -> NodeAction:
     values = {names.get(key, key): value for key, value in (options or {}).items()}
     if "timeout" in values or "margin" in values:
         values.update({k: float(values[k]) for k in ("timeout", "margin") if k in values})
+    if "selector" in values:
+        where = [*at, kind, "selector"]
+        try:
+            values["selector"] = parse_label_selector(values["selector"])
+        except ValueError as exc:
+            raise fail(where, f"{values['selector']!r} is not a valid label selector: {exc}; valid: "
+                       f"{SELECTOR_GRAMMAR}", subject=f"rule {rule}: {_field(where)}") from None
     return NodeAction(kind=kind, **values)
 
 

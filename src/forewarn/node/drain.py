@@ -10,6 +10,9 @@
 - At most `max_nodes` nodes drain at once across the cluster: a drain holds one of that many Leases
   (`forewarn-drain-0`, ...), renewed while it runs, so one event listing a whole scale set never empties
   the node pool. The Lease names the node, so a restarted forewarn takes its own slot back.
+- With a `selector`, only the pods matching it are listed and evicted (the API filters them, as the
+  `labelSelector` of the pod list); every rule above holds for those. A Freeze pauses the VM for seconds,
+  which most pods sit out unharmed, so the AKS policy moves only pods labelled as unable to pause.
 - The start and the deadline are written to the node's `forewarn.io/applied` annotation: a forewarn that
   restarts in the middle of a drain resumes it, with the same deadline, rather than starting another.
 """
@@ -18,14 +21,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
-from lightkube import ALL_NS, ApiError
+from lightkube import ALL_NS, ApiError, operators
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Pod, PodEviction
 
-from forewarn.approval.policy import NodeAction
+from forewarn.approval.policy import LabelRequirement, NodeAction
 from forewarn.imds.document import Event
 from forewarn.node.actions import ledger_of, rfc3339
 from forewarn.node.kube import KubeError, Stopped, explain
@@ -187,12 +191,38 @@ def _expired(spec: dict[str, Any], now: float) -> bool:
     return moment.timestamp() + float(spec.get("leaseDurationSeconds") or LEASE_SECONDS) < now
 
 
-def _pods(actor: KubeNodeActor) -> list[dict[str, Any]]:
+def label_pairs(selector: Sequence[LabelRequirement]) -> list[tuple[str, operators.Operator[Any]]]:
+    """`selector` in the form lightkube's `list(labels=...)` encodes into a labelSelector. A list of pairs
+    rather than a dict: `build_selector` takes both, and only a list keeps two terms on one key
+    (`a!=x,a!=y`)."""
+    pairs: list[tuple[str, operators.Operator[Any]]] = []
+    for term in selector:
+        operator: operators.Operator[Any]
+        if term.op == "exists":
+            operator = operators.exists()
+        elif term.op == "!":
+            operator = operators.not_exists()
+        elif term.op == "in":
+            operator = operators.in_(term.values)
+        elif term.op == "notin":
+            operator = operators.not_in(term.values)
+        elif term.op == "!=":
+            operator = operators.not_equal(term.values[0])
+        else:
+            operator = operators.equal(term.values[0])
+        pairs.append((term.key, operator))
+    return pairs
+
+
+def _pods(actor: KubeNodeActor, action: NodeAction) -> list[dict[str, Any]]:
+    """The pods on the node, only those matching the drain's selector when it has one."""
+    labels = cast(Any, label_pairs(action.selector)) if action.selector else None
     try:
-        return [pod.to_dict() for pod in actor.client.list(Pod, namespace=ALL_NS,
+        return [pod.to_dict() for pod in actor.client.list(Pod, namespace=ALL_NS, labels=labels,
                                                             fields={"spec.nodeName": actor.node})]
     except Exception as exc:
-        raise explain(exc, f"list pods on node {actor.node}") from None
+        raise explain(exc, f"list pods on node {actor.node}"
+                      + (f" matching {action.selector_text}" if action.selector else "")) from None
 
 
 def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool) -> str:
@@ -204,12 +234,14 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
         deadline = min(deadline, event.not_before.timestamp() - action.margin)
     # A notice shorter than the margin still gets the quickest drain possible rather than none.
     deadline = max(deadline, start + 1.0)
+    # A selective drain says so wherever it reports, so nobody reads "drained" as "the node is empty".
+    matching = f" matching {action.selector_text}" if action.selector else ""
     if dry_run:
-        pods = _pods(actor)
+        pods = _pods(actor, action)
         kinds = {_name(pod): classify(pod, action.delete_local_data) for pod in pods}
         evict = sorted(name for name, kind in kinds.items() if kind == "evict")
         stay = sorted(name for name, kind in kinds.items() if kind == "local")
-        return (f"would drain node {actor.node}: evict {len(evict)} pod(s) ({', '.join(evict) or 'none'})"
+        return (f"would drain node {actor.node}: evict {len(evict)} pod(s){matching} ({', '.join(evict) or 'none'})"
                 + (f"; {len(stay)} with local storage would block it ({', '.join(stay)})" if stay else "")
                 + f"; deadline in {deadline - start:.0f} s")
 
@@ -242,7 +274,7 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
     try:
         while True:
             slot.renew()
-            pods = _pods(actor)
+            pods = _pods(actor, action)
             blocked: list[str] = []
             left: list[str] = []
             local: list[str] = []
@@ -264,7 +296,7 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
             if not left and not blocked:
                 break
             now = clock()
-            progress = (f"{len(left)} pod(s) terminating, {len(blocked)} blocked by a PodDisruptionBudget "
+            progress = (f"{len(left)} pod(s){matching} terminating, {len(blocked)} blocked by a PodDisruptionBudget "
                         f"({', '.join(sorted(blocked)) or 'none'})")
             if progress != said:
                 log.info("node %s: draining: %s; %.0f s to the deadline", actor.node, progress, deadline - now)
@@ -285,7 +317,7 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
                 log.error("node %s: cannot release drain slot: %s", actor.node, release_error)
         raise
     graces = sorted(set(evicted.values()))
-    done = (f"drained node {actor.node}: evicted {len(evicted)} pod(s)"
+    done = (f"drained node {actor.node}: evicted {len(evicted)} pod(s){matching}"
             + (f" (grace {', '.join(map(str, graces))} s)" if graces else "")
             + f" in {clock() - start:.1f} s, {max(0.0, deadline - clock()):.0f} s before the deadline")
     if local:
