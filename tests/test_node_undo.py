@@ -10,6 +10,7 @@ approver in-process (the Harness of test_node_actions.py). Tests wait with wait_
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+import requests
+import yaml
 from lightkube import ApiError, Client, KubeConfig
 from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
@@ -100,6 +103,44 @@ def test_the_stand_in_deletes_only_the_condition_whose_type_matches(api: KubeApi
                  patch_type=PatchType.STRATEGIC)
     assert api.node("node-1") == after and api.node("node-1")["metadata"]["resourceVersion"] == version
     client.close()
+
+
+def test_the_stand_in_fails_every_matching_request_until_it_recovers(api: KubeApi, tmp_path: Path) -> None:
+    api.add_node("node-1")
+    client = Client(_kubeconfig(api, tmp_path))
+    api.fail_always("PATCH", r"^/api/v1/nodes/node-1$", 503, "etcdserver: request timed out")
+    api.fail_next("GET", r"^/api/v1/nodes/node-1$", 500)
+    for _ in range(3):
+        with pytest.raises(ApiError) as info:
+            client.patch(Node, "node-1", {"spec": {"unschedulable": True}})
+        assert (info.value.status.code, info.value.status.message) == (503, "etcdserver: request timed out")
+    api.recover()
+    client.patch(Node, "node-1", {"spec": {"unschedulable": True}})
+    assert api.node("node-1")["spec"]["unschedulable"] is True
+    with pytest.raises(ApiError):  # recover() ends fail_always only; fail_next stays queued
+        client.get(Node, "node-1")
+    assert [r.status for r in api.requests] == [503, 503, 503, 200, 500]
+    client.close()
+
+
+def test_the_stand_in_serves_https_with_its_ca_in_the_kubeconfig(tls_api: KubeApi, tmp_path: Path) -> None:
+    tls_api.add_node("node-1")
+    config = yaml.safe_load(tls_api.kubeconfig(tmp_path / "kubeconfig").read_text())
+    cluster = config["clusters"][0]["cluster"]
+    assert cluster["server"] == f"https://127.0.0.1:{tls_api.port}" and tls_api.ca_pem is not None
+    assert base64.b64decode(cluster["certificate-authority-data"]) == tls_api.ca_pem
+    actor = build_actor("node-1", str(tmp_path / "kubeconfig"))
+    try:
+        assert actor.get_node()["metadata"]["name"] == "node-1"
+    finally:
+        actor.close()
+    with pytest.raises(requests.exceptions.SSLError):  # not trusted without that CA
+        requests.get(f"{tls_api.url}/api/v1/nodes/node-1", timeout=5)
+    account = tls_api.service_account(tmp_path / "sa")
+    assert sorted(p.name for p in account.iterdir()) == ["ca.crt", "namespace", "token"]
+    assert (account / "namespace").read_text() == "forewarn" and (account / "token").read_text() == TOKEN
+    with KubeApi() as plain, pytest.raises(ValueError, match="tls=True"):
+        plain.service_account(tmp_path / "plain")
 
 
 def _kubeconfig(api: KubeApi, tmp_path: Path) -> KubeConfig:
