@@ -25,7 +25,7 @@ from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
 
 from forewarn.approval.actor import ActionOutcome
-from forewarn.approval.approver import Stage
+from forewarn.approval.approver import UNDO_RETRY_FOR, Stage
 from forewarn.approval.policy import parse_policy
 from forewarn.imds.document import parse_document
 from forewarn.node import KubeError, build_actor
@@ -250,6 +250,30 @@ def test_reading_the_node_at_start_is_tried_again_when_the_api_fails(
     h.settle()
     assert ledger(api) == {} and h.actions() == [("undo", "ok")]
     assert next(r.status for r in api.requests if r.method == "GET") == 503
+
+
+def test_reading_the_node_at_start_is_given_up_after_undo_retry_for(
+        api: KubeApi, harnesses: Callable[..., Harness], caplog: pytest.LogCaptureFixture) -> None:
+    api.add_node("node-1", unschedulable=True, annotations={APPLIED: json.dumps({"OLD": {"cordon": True}})})
+    api.fail_always("GET", r"^/api/v1/nodes/node-1$", 503, "etcdserver: leader changed")
+    h = harnesses(api, CORDON_CONDITION)
+    now = [1000.0]
+    h.approver.clock = lambda: now[0]
+    h.poll()
+    h.settle()
+    assert "trying again" in caplog.text
+    now[0] += UNDO_RETRY_FOR  # the next try would be past the hour: the last one
+    h.poll()
+    h.settle()
+    assert "giving up" in caplog.text
+    api.recover()
+    gets = len(api.requests)
+    for _ in range(3):
+        now[0] += 60
+        h.poll()
+    h.settle()
+    assert len(api.requests) == gets, "not read again in this run"
+    assert api.node("node-1")["spec"]["unschedulable"] is True and h.actions() == []
 
 
 def test_at_a_restart_in_dry_run_the_undo_is_recorded_and_nothing_written(

@@ -158,6 +158,7 @@ class Approver:
         self._reconciled = False
         self._reconciling = False
         self._reconcile_attempts = 0
+        self._first_reconcile: float | None = None
         self._next_reconcile = 0.0
         self._undone_here: set[str] = set()
         self._document_ids: frozenset[str] = frozenset()
@@ -398,18 +399,28 @@ class Approver:
     def _reconcile(self, vm: VmInfo, incarnation: int) -> None:
         """Once per start: undo what the node holds for events no longer in the document (through `_undos`,
         so with the same retries, records and counts as any undo). Tried again at later polls, with backoff,
-        while the node cannot be read."""
+        while the node cannot be read, for up to UNDO_RETRY_FOR."""
         assert self.actor is not None
         try:
             held = list(self.actor.pending())
         except Exception as exc:  # an API error (or a bug): nothing is undone yet, so try again later
             with self._lock:
+                now = self.clock()
                 self._reconciling = False
                 self._reconcile_attempts += 1
-                delay = self._undo_backoff.delay(self._reconcile_attempts - 1)
-                self._next_reconcile = self.clock() + delay
-            log.warning("cannot read what node %s holds from before this start (%s); trying again in %.0f s",
-                        self.actor.node, exc, delay)
+                first = self._first_reconcile = self._first_reconcile or now
+                self._next_reconcile = now + self._undo_backoff.delay(self._reconcile_attempts - 1)
+                given_up = self._next_reconcile - first > UNDO_RETRY_FOR
+                if given_up:
+                    self._reconciled = True
+                    self._undone_here.clear()
+            if given_up:
+                log.error("cannot read what node %s holds from before this start (%s), still after %d attempts in "
+                          "%.0f s; giving up: what the annotation forewarn.io/applied lists for events no longer in "
+                          "the document stays", self.actor.node, exc, self._reconcile_attempts, now - first)
+            else:
+                log.warning("cannot read what node %s holds from before this start (%s); trying again in %.0f s",
+                            self.actor.node, exc, self._next_reconcile - now)
             return
         with self._lock:
             now = self.clock()
