@@ -345,6 +345,8 @@ def test_an_undo_failing_at_sigterm_is_done_after_the_restart(
     wait_for_polls(second, 2)
     assert _undos(second) == 1, "once"
     assert "Traceback" not in first.log() + second.log()
+    for record in second.records():
+        jsonschema.validate(record, RECORD_SCHEMA)
 
 
 @pytest.mark.slow
