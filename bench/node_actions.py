@@ -116,6 +116,7 @@ def run(directory: Path, node_actions: bool, steady: float, policy_on: bool = Tr
                                                 action="undo", result="ok") >= 1, 90)
             node = api.node(NODE)
             status = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
+            # forewarn removes its condition on undo: None here (absent), not "False"
             result["after_undo"] = {"unschedulable": bool(node["spec"].get("unschedulable")),
                                     "condition": status.get(CONDITION)}
             result["node_actions_ok"] = {

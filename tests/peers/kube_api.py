@@ -38,7 +38,10 @@ Interface: as /work/briefs/k8s-standin.md gives it, nothing changed. Added: Kube
 clock=) and use as a context manager; kubeconfig(admin=, namespace=); add_node(conditions=, provider_id=);
 add_pod(phase=); pod(), pdb(), update_node(); fail_next(message=); Request.json(); `namespace_pods` is
 accepted and unused. An eviction's deleteOptions.gracePeriodSeconds replaces the pod's own grace period,
-longer or shorter, as the API server does.
+longer or shorter, as the API server does. Then: fail_always() and recover() (an API that keeps failing
+until it recovers); KubeApi(tls=True) serving HTTPS with a certificate of its own test CA (`ca_pem`;
+kubeconfig() then carries certificate-authority-data), and service_account(dir) writing token, ca.crt and
+namespace as a kubelet mounts them (the token is the RBAC-checked one).
 
 Use:
     api = KubeApi(cluster_role=Path("deploy/.../clusterrole.yaml"))
@@ -50,11 +53,13 @@ Use:
 
 from __future__ import annotations
 
+import base64
 import copy
 import datetime
 import json
 import re
 import secrets
+import ssl
 import threading
 import time
 import uuid
@@ -73,6 +78,8 @@ from kubernetes_validate.utils import schema_contents
 
 from forewarn.web.server import HttpServer, Response
 from forewarn.web.server import Request as HttpRequest
+
+from peers.pki import Authority
 
 K8S_VERSION = "1.32.0"  # the same schemas as tests/test_kubernetes.py
 TOKEN = "forewarn-stand-in-token"  # the kubeconfig's user: RBAC applies to it
@@ -193,6 +200,26 @@ class _Failure:
     path: re.Pattern[str]
     status: int
     message: str
+    persistent: bool = False  # fail_always: every matching request, until recover()
+
+
+class _TlsGate:
+    """The web server's Gate for HTTPS with a fixed certificate and no authentication of its own (the API
+    checks bearer tokens itself)."""
+
+    tls_enabled = True
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        self._context = context
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        return self._context
+
+    def check(self, request: HttpRequest) -> Response | None:
+        return None
+
+    def headers(self) -> Mapping[str, str]:
+        return {}
 
 
 # --- schema validation -----------------------------------------------------------------------------
@@ -807,12 +834,13 @@ class KubeApi:
 
     def __init__(self, cluster_role: Path | None = None, *, namespace_pods: object = None,
                  namespaces: Iterable[str] | None = None, grace_scale: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls: bool = False) -> None:
         """`cluster_role`: the ClusterRole YAML (or a directory of YAML files) whose rules decide 403; None
         allows everything. `namespace_pods`: reserved by the shared interface, unused. `namespaces`: the
         namespaces that exist (with default and kube-system): creating anything elsewhere is 404 `namespaces
         "x" not found`, as on a real cluster; None: every namespace exists. `grace_scale`: a deleted pod goes
-        away after its grace period times this, in seconds of `clock` (0: at once)."""
+        away after its grace period times this, in seconds of `clock` (0: at once). `tls`: serve HTTPS with
+        a server certificate (for 127.0.0.1 and localhost) of a CA made for this server, `ca_pem`."""
         self.rules = load_rules(cluster_role) if cluster_role is not None else None
         self.namespaces = None if namespaces is None else {"default", "kube-system", *namespaces}
         self.grace_scale = grace_scale
@@ -824,12 +852,20 @@ class KubeApi:
         self._failures: list[_Failure] = []
         self._version = 0
         self._lock = threading.RLock()
+        self.ca_pem: bytes | None = None
+        gate = None
+        if tls:
+            authority = Authority("kube-api-stand-in-ca")
+            self.ca_pem = authority.pem
+            gate = _TlsGate(authority.server_context("kube-apiserver"))
         # A long read timeout: it also ends idle keep-alive connections, which clients reuse between calls.
         self._server = HttpServer("127.0.0.1", 0, read_timeout=300.0, max_body_bytes=MAX_BODY_BYTES,
-                                  max_request_bytes=65536, name="kube-api", server_version="kube-api-stand-in")
+                                  max_request_bytes=65536, name="kube-api", server_version="kube-api-stand-in",
+                                  gate=gate)
         self._server.route("/", self._serve, methods=None, prefix=True)
         self._server.start()
         self.url = self._server.url
+        self.port = int(self._server.server_address[1])
 
     def stop(self) -> None:
         self._server.stop()
@@ -842,12 +878,16 @@ class KubeApi:
 
     # --- what tests set up and look at -------------------------------------------------------------
     def kubeconfig(self, path: Path, *, admin: bool = False, namespace: str = "default") -> Path:
-        """Write a kubeconfig for this server (plain HTTP, a bearer token: the RBAC-checked service account,
-        or with `admin` a user the ClusterRole does not limit) and return its path."""
+        """Write a kubeconfig for this server (a bearer token: the RBAC-checked service account, or with
+        `admin` a user the ClusterRole does not limit; with TLS, the CA as certificate-authority-data) and
+        return its path."""
         user = "admin" if admin else "forewarn"
+        cluster: JSON = {"server": self.url}
+        if self.ca_pem is not None:
+            cluster["certificate-authority-data"] = base64.b64encode(self.ca_pem).decode()
         config = {
             "apiVersion": "v1", "kind": "Config", "preferences": {},
-            "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "stand-in", "cluster": cluster}],
             "users": [{"name": user, "user": {"token": ADMIN_TOKEN if admin else TOKEN}}],
             "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": user,
                                                           "namespace": namespace}}],
@@ -855,6 +895,18 @@ class KubeApi:
         }
         path.write_text(yaml.safe_dump(config))
         return path
+
+    def service_account(self, directory: Path, *, namespace: str = "forewarn") -> Path:
+        """Write `token` (the RBAC-checked one), `ca.crt` (this server's CA; TLS only) and `namespace` into
+        `directory`, as the kubelet mounts a pod's service account, and return it. The server itself is
+        KUBERNETES_SERVICE_HOST=127.0.0.1, KUBERNETES_SERVICE_PORT=`port`."""
+        if self.ca_pem is None:
+            raise ValueError("an in-cluster service account needs KubeApi(tls=True): the client speaks HTTPS")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "token").write_text(TOKEN)
+        (directory / "ca.crt").write_bytes(self.ca_pem)
+        (directory / "namespace").write_text(namespace)
+        return directory
 
     def add_node(self, name: str, labels: Mapping[str, str] | None = None,
                  taints: Iterable[Mapping[str, Any]] = (), unschedulable: bool = False,
@@ -971,6 +1023,17 @@ class KubeApi:
         with self._lock:
             self._failures.append(_Failure(method.upper(), re.compile(path_regex), status, message))
 
+    def fail_always(self, method: str, path_regex: str, status: int, message: str = "injected failure") -> None:
+        """Answer every request with this method whose path matches (re.search) with a Status of `status`,
+        doing nothing else, until `recover()`: an API server (or etcd) that is down for a while."""
+        with self._lock:
+            self._failures.append(_Failure(method.upper(), re.compile(path_regex), status, message, persistent=True))
+
+    def recover(self) -> None:
+        """End every fail_always (failures queued with fail_next stay)."""
+        with self._lock:
+            self._failures = [failure for failure in self._failures if not failure.persistent]
+
     # --- storage ----------------------------------------------------------------------------------
     def _seed(self, kind: Kind, obj: JSON) -> None:
         meta = obj["metadata"]
@@ -1048,7 +1111,8 @@ class KubeApi:
             raise ApiError(406, f"only application/json is served, not {accept}")
         for failure in self._failures:
             if failure.method == request.method and failure.path.search(request.path):
-                self._failures.remove(failure)
+                if not failure.persistent:
+                    self._failures.remove(failure)
                 raise ApiError(failure.status, failure.message,
                                headers={"Retry-After": "1"} if failure.status == 429 else None)
         if request.query.get("dryRun", "All") != "All":

@@ -43,5 +43,9 @@ class NodeActor(Protocol):
         """Remove what `act` applied for `event_id` (and nothing another party applied); reports one
         `undo` outcome when there was anything to undo."""
 
+    def pending(self) -> Sequence[str]:
+        """The ids of the events the node still holds something `act` applied for (what `undo` would take
+        back), as the node itself records it, so it survives a restart. Raises when it cannot be read."""
+
     def close(self) -> None:
         """Stop waiting (a drain in progress gives up at once) and release the client."""

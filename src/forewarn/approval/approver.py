@@ -10,7 +10,10 @@ only place a stage changes, and `STAGES` lists every step it may take.
 A rule's node actions (cordon, drain, ...) run first, once per event, on the pool through the `NodeActor`
 (only for events that affect this VM); each outcome becomes a `node_action` record and a count. What they
 applied is undone when the event leaves the document, completed or cancelled; an undo that fails (an API
-error) is tried again at later polls, with backoff, for up to UNDO_RETRY_FOR.
+error) is tried again at later polls, with backoff, for up to UNDO_RETRY_FOR. Once per start, after the first
+good document, the approver also asks the actor what the node still holds (`NodeActor.pending`) and undoes,
+the same way, what belongs to events no longer in the document: an undo still failing when forewarn stopped,
+or an event that ended while it was down, is not lost.
 """
 
 from __future__ import annotations
@@ -112,6 +115,14 @@ class Undo:
     running: bool = True              # on the pool now: not handed on again meanwhile
 
 
+def left_over(event_id: str, vm: VmInfo) -> Event:
+    """The event a node still holds something for, known by its id only: it is no longer in the document,
+    so its type and status are unknown (empty in the records of its undo). It affected this VM, or nothing
+    would have been applied to its node."""
+    return Event(event_id=event_id, event_type="", status="", resource_type="", resources=(vm.name,) if vm.name
+                 else (), not_before=None, raw={"EventId": event_id, "EventType": "", "EventStatus": ""})
+
+
 #: Events the policy may still approve at this poll: the ones not approved yet, nor under way.
 _OPEN = (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED, Stage.PREPARED, Stage.HOOK_FAILED, Stage.START_FAILED)
 
@@ -142,6 +153,15 @@ class Approver:
         # leaves the node cordoned by forewarn. By event id.
         self._undos: dict[str, Undo] = {}
         self._undo_backoff = Backoff(base=1.0, cap=30.0)
+        # What the node still holds from before this start is undone once (see `_reconcile`); until then,
+        # the ids of events whose undo was handed on here, so it does not undo (or report) them twice.
+        self._reconciled = False
+        self._reconciling = False
+        self._reconcile_attempts = 0
+        self._first_reconcile: float | None = None
+        self._next_reconcile = 0.0
+        self._undone_here: set[str] = set()
+        self._document_ids: frozenset[str] = frozenset()
         self._cap_logged = False
         self._incarnation = 0
 
@@ -188,6 +208,7 @@ class Approver:
         records: list[Record] = []
         with self._lock:
             self._incarnation = document.incarnation
+            self._document_ids = frozenset(event.event_id for event in document.events)
             for change in changes:
                 if change.kind is ChangeKind.REMOVED:
                     self._tracks.pop(change.event.event_id, None)
@@ -195,9 +216,15 @@ class Approver:
                         # Also after a restart (no track): the node's annotation says what there is to undo.
                         undo = Undo(change.event, vm, change.incarnation, first_try=now)
                         self._undos[change.event.event_id] = undo
+                        if not self._reconciled:
+                            self._undone_here.add(change.event.event_id)
                         self._submit(self._undo, undo)
                     if change.outcome is Outcome.COMPLETED and change.event.affects(vm.name) and self.policy.recover:
                         self._submit(self._run_hooks, self.policy.recover, "recover", change.event, vm, None)
+            if (self.actor is not None and not self._reconciled and not self._reconciling
+                    and now >= self._next_reconcile):
+                self._reconciling = True
+                self._submit(self._reconcile, vm, document.incarnation)
             for undo in self._undos.values():
                 if not undo.running and now >= undo.next_attempt:
                     undo.running = True
@@ -368,6 +395,51 @@ class Approver:
             else:
                 log.warning("will try the undo of event %s again in %.0f s (attempt %d failed)", event.event_id,
                             undo.next_attempt - now, undo.attempts)
+
+    def _reconcile(self, vm: VmInfo, incarnation: int) -> None:
+        """Once per start: undo what the node holds for events no longer in the document (through `_undos`,
+        so with the same retries, records and counts as any undo). Tried again at later polls, with backoff,
+        while the node cannot be read, for up to UNDO_RETRY_FOR."""
+        assert self.actor is not None
+        try:
+            held = list(self.actor.pending())
+        except Exception as exc:  # an API error (or a bug): nothing is undone yet, so try again later
+            with self._lock:
+                now = self.clock()
+                self._reconciling = False
+                self._reconcile_attempts += 1
+                first = self._first_reconcile = self._first_reconcile or now
+                self._next_reconcile = now + self._undo_backoff.delay(self._reconcile_attempts - 1)
+                given_up = self._next_reconcile - first > UNDO_RETRY_FOR
+                if given_up:
+                    self._reconciled = True
+                    self._undone_here.clear()
+            if given_up:
+                log.error("cannot read what node %s holds from before this start (%s), still after %d attempts in "
+                          "%.0f s; giving up: what the annotation forewarn.io/applied lists for events no longer in "
+                          "the document stays", self.actor.node, exc, self._reconcile_attempts, now - first)
+            else:
+                log.warning("cannot read what node %s holds from before this start (%s); trying again in %.0f s",
+                            self.actor.node, exc, self._next_reconcile - now)
+            return
+        with self._lock:
+            now = self.clock()
+            skipped = self._document_ids | self._undos.keys() | self._undone_here
+            stale = [event_id for event_id in held if event_id not in skipped]
+            for event_id in stale:
+                undo = Undo(left_over(event_id, vm), vm, incarnation, first_try=now)
+                self._undos[event_id] = undo
+                self._submit(self._undo, undo)
+            self._reconciled = True
+            self._reconciling = False
+            self._undone_here.clear()
+            kept = [event_id for event_id in held if event_id in self._document_ids]
+        if stale:
+            log.warning("node %s still holds what forewarn applied for %d event(s) no longer in the document "
+                        "(%s): undoing it", self.actor.node, len(stale), ", ".join(stale))
+        if kept:
+            log.info("node %s holds what forewarn applied for %s, still in the document: kept", self.actor.node,
+                     ", ".join(kept))
 
     def _reporter(self, event: Event, vm: VmInfo, rule: str | None,
                   incarnation: int) -> Callable[[ActionOutcome], None]:

@@ -7,14 +7,16 @@ whose rules have node actions (`Policy.uses_node_actions`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from forewarn.node.actions import KubeNodeActor
-from forewarn.node.kube import KubeError, make_client
+from forewarn.node.kube import SERVICE_ACCOUNT, KubeError, make_client
 
 __all__ = ["KubeError", "KubeNodeActor", "build_actor"]
 
 
 def build_actor(node: str, kubeconfig: str | None, draining: Callable[[int], None] | None = None,
-                poll: float = 1.0) -> KubeNodeActor:
-    """The actor for `node`, with a client from `kubeconfig` (or in-cluster / KUBECONFIG / ~/.kube/config)."""
-    return KubeNodeActor(make_client(kubeconfig), node, draining=draining, poll=poll)
+                poll: float = 1.0, *, service_account: Path = SERVICE_ACCOUNT) -> KubeNodeActor:
+    """The actor for `node`, with a client from `kubeconfig` (or the in-cluster service account in
+    `service_account`, KUBECONFIG, ~/.kube/config)."""
+    return KubeNodeActor(make_client(kubeconfig, service_account=service_account), node, draining=draining, poll=poll)

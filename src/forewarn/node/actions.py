@@ -307,13 +307,21 @@ class KubeNodeActor:
         return f"posted a {action.event_type} event {action.reason} on node {self.node}"
 
     # --- undo -------------------------------------------------------------------------------------
+    def pending(self) -> list[str]:
+        """The event ids the node's ledger holds something for (what an undo would take back)."""
+        return sorted(ledger_of(self.get_node()))
+
     def _undo(self, event_id: str, dry_run: bool) -> str:
         undone: list[str] = []
-        condition: list[str] = []
+        # The condition first: once the ledger entry is gone nothing would remember it, so a failure here
+        # leaves the entry in place for the undo to be tried again (removing an absent condition is a no-op).
+        ledger = ledger_of(self.get_node())
+        kind = (ledger.get(event_id) or {}).get("condition")
+        if kind and not held_by_others(ledger, event_id, "condition", kind) and not dry_run:
+            self._remove_condition(str(kind))
 
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             undone.clear()
-            condition.clear()
             ledger = ledger_of(node)
             entry = ledger.pop(event_id, None)
             if entry is None:
@@ -335,10 +343,9 @@ class KubeNodeActor:
                 undone.append("removed label " + ", ".join(labels))
             if spec:
                 patch["spec"] = spec
-            kind = entry.get("condition")
-            if kind and not held_by_others(ledger, event_id, "condition", kind):
-                condition.append(str(kind))
-                undone.append(f"cleared condition {kind}")
+            held = entry.get("condition")
+            if held and not held_by_others(ledger, event_id, "condition", held):
+                undone.append(f"removed condition {held}")
             if entry.get("drain"):
                 undone.append("drain record dropped")
             return patch, "; ".join(undone) or "nothing left to undo"
@@ -346,7 +353,13 @@ class KubeNodeActor:
         detail = self.update_node(change, dry_run)
         if not detail:
             return ""
-        if condition and not dry_run:
-            self._set_condition(condition[0], "False", "ScheduledEventEnded",
-                                f"Azure scheduled event {event_id} has ended (forewarn)")
         return f"node {self.node}: {detail}"
+
+    def _remove_condition(self, kind: str) -> None:
+        # Strategic merge: the `$patch: delete` directive removes the one condition whose type (the merge key)
+        # matches; the kubelet's, NPD's and anyone else's stay as they are.
+        patch = {"status": {"conditions": [{"type": kind, "$patch": "delete"}]}}
+        try:
+            self.client.patch(Node.Status, self.node, patch, patch_type=PatchType.STRATEGIC)
+        except Exception as exc:
+            raise explain(exc, f"patch node {self.node} status") from None

@@ -30,11 +30,15 @@ class Stopped(KubeError):
     """forewarn is stopping: the work under way is left for the next start to resume (not a failure)."""
 
 
-def make_client(kubeconfig: str | None, timeout: float = 10.0) -> Client:
-    """A client from `kubeconfig` (a file), else the in-cluster service account, else KUBECONFIG or
+def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_account: Path = SERVICE_ACCOUNT) -> Client:
+    """A client from `kubeconfig` (a file), else the in-cluster service account (the token, ca.crt and
+    namespace files in `service_account`, with KUBERNETES_SERVICE_HOST/PORT), else KUBECONFIG or
     ~/.kube/config. Raises KubeError when none is usable."""
     try:
-        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+        if kubeconfig:
+            config = KubeConfig.from_file(kubeconfig)
+        else:
+            config = KubeConfig.from_env(service_account=service_account)
         return Client(config, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout))
     except (KubeConfigError, OSError, ValueError, KeyError) as exc:
         if kubeconfig:
@@ -42,7 +46,7 @@ def make_client(kubeconfig: str | None, timeout: float = 10.0) -> Client:
                             f"({type(exc).__name__}: {exc})") from None
         # Name the option first: outside a cluster, --kubeconfig is the fix people look for.
         raise KubeError(f"--kubeconfig not given and no Kubernetes configuration found: no in-cluster service "
-                        f"account ({SERVICE_ACCOUNT}/token with KUBERNETES_SERVICE_HOST/PORT), no KUBECONFIG, no "
+                        f"account ({service_account}/token with KUBERNETES_SERVICE_HOST/PORT), no KUBECONFIG, no "
                         f"~/.kube/config ({type(exc).__name__}: {exc}); pass --kubeconfig FILE") from None
 
 
@@ -58,5 +62,15 @@ def explain(exc: Exception, doing: str) -> KubeError:
                              "ClusterRole of deploy/kubernetes/components/node-actions", code)
         return KubeError(f"{doing}: {code} {reason}: {message}".rstrip(": "), code)
     if isinstance(exc, httpx2.HTTPError):
-        return KubeError(f"{doing}: cannot reach the Kubernetes API ({type(exc).__name__}: {exc})")
+        return KubeError(f"{doing}: cannot reach the Kubernetes API{_at(exc)} ({type(exc).__name__}: {exc})")
     return KubeError(f"{doing}: {type(exc).__name__}: {exc}")
+
+
+def _at(exc: httpx2.HTTPError) -> str:
+    """' at scheme://host:port' of the request that failed, or '' when it has none."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # an error raised outside a request has none
+        return ""
+    host = f"[{url.host}]" if ":" in url.host else url.host  # never the userinfo: it may hold a password
+    return f" at {url.scheme}://{host}" + (f":{url.port}" if url.port else "")
