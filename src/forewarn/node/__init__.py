@@ -6,6 +6,7 @@ whose rules have node actions (`Policy.uses_node_actions`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,4 +20,6 @@ def build_actor(node: str, kubeconfig: str | None, draining: Callable[[int], Non
                 poll: float = 1.0, *, service_account: Path = SERVICE_ACCOUNT) -> KubeNodeActor:
     """The actor for `node`, with a client from `kubeconfig` (or the in-cluster service account in
     `service_account`, KUBECONFIG, ~/.kube/config)."""
-    return KubeNodeActor(make_client(kubeconfig, service_account=service_account), node, draining=draining, poll=poll)
+    stopping = threading.Event()   # the actor's close() sets it: it ends a request under way too
+    client = make_client(kubeconfig, service_account=service_account, stop=stopping)
+    return KubeNodeActor(client, node, draining=draining, poll=poll, stopping=stopping)

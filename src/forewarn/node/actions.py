@@ -80,12 +80,14 @@ class KubeNodeActor:
     """Carries out a rule's node actions on the node `node` (the NodeActor of the approver)."""
 
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time,
-                 poll: float = 1.0, draining: Callable[[int], None] | None = None) -> None:
+                 poll: float = 1.0, draining: Callable[[int], None] | None = None,
+                 stopping: threading.Event | None = None) -> None:
         self.client = client
         self.node = node
         self.clock = clock
         self.poll = poll                  # seconds between looks at the pods of a drain
-        self.stopping = threading.Event()
+        # Set by close(): ends the waits of a drain and (shared with the client's transport) any request.
+        self.stopping = stopping or threading.Event()
         self._draining = draining or (lambda _count: None)
         self._drains = 0
         self._drains_lock = threading.Lock()

@@ -6,12 +6,16 @@ Importing this module imports lightkube; only `forewarn.node` does, and only whe
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx2
 from lightkube import ApiError, Client, KubeConfig
 from lightkube import ConfigError as KubeConfigError
+from lightkube.config.client_adapter import verify_cluster
+
+from forewarn.node.transport import DeadlineTransport
 
 #: Where a pod finds its service account (the in-cluster configuration).
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -30,16 +34,32 @@ class Stopped(KubeError):
     """forewarn is stopping: the work under way is left for the next start to resume (not a failure)."""
 
 
-def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_account: Path = SERVICE_ACCOUNT) -> Client:
+def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_account: Path = SERVICE_ACCOUNT,
+                stop: threading.Event | None = None) -> Client:
     """A client from `kubeconfig` (a file), else the in-cluster service account (the token, ca.crt and
     namespace files in `service_account`, with KUBERNETES_SERVICE_HOST/PORT), else KUBECONFIG or
-    ~/.kube/config. Raises KubeError when none is usable."""
+    ~/.kube/config. Raises KubeError when none is usable.
+
+    Every request must be done within `timeout` seconds in all (forewarn.node.transport), and a set `stop`
+    ends any request under way with Stopped."""
     try:
         if kubeconfig:
             config = KubeConfig.from_file(kubeconfig)
         else:
             config = KubeConfig.from_env(service_account=service_account)
-        return Client(config, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout))
+        single = config.get()
+        if single is None:
+            raise ValueError("no current context")
+        if single.user is None:
+            raise ValueError(f"context {single.context_name!r} names no user (credentials for the API server)")
+        tls = single.cluster.server.startswith("https:")
+        # The TLS context as lightkube would build it (the cluster's CA, a client certificate if any);
+        # no environment: forewarn talks to the API server directly, never through an HTTP proxy.
+        context = verify_cluster(single.cluster, single.user, single.abs_file, trust_env=False) if tls else None
+        transport = DeadlineTransport(single.cluster.server, context, timeout=timeout,
+                                      stop=stop or threading.Event(), stopped=lambda: Stopped("forewarn is stopping"))
+        return Client(single, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout), transport=transport,
+                      trust_env=False)
     except (KubeConfigError, OSError, ValueError, KeyError) as exc:
         if kubeconfig:
             raise KubeError(f"--kubeconfig {kubeconfig}: cannot load a Kubernetes configuration "
@@ -52,6 +72,8 @@ def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_accoun
 
 def explain(exc: Exception, doing: str) -> KubeError:
     """`exc`, raised while `doing` (e.g. "patch node aks-1"), as a KubeError with a message to act on."""
+    if isinstance(exc, KubeError):   # Stopped, raised from inside a request by the transport
+        return exc
     if isinstance(exc, ApiError):
         status: Any = exc.status
         code = int(getattr(status, "code", 0) or exc.response.status_code)
