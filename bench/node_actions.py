@@ -86,7 +86,9 @@ def run(directory: Path, node_actions: bool, steady: float, policy_on: bool = Tr
     policy = directory / "policy.yaml"
     policy.write_text(WITH_ACTIONS if node_actions else WITHOUT_ACTIONS)
     records = directory / "records.jsonl"
-    api = KubeApi(cluster_role=CLUSTER_ROLE, grace_scale=0.02)
+    # HTTPS with the cluster CA, as in a cluster (the service account's ca.crt): the TLS context then holds
+    # that one CA, not the system store
+    api = KubeApi(cluster_role=CLUSTER_ROLE, grace_scale=0.02, tls=True)
     server = SimulatorServer(Simulator(load_scenario(str(scenario)))).serve_in_background()
     extra = ["--policy", str(policy)] if policy_on else []
     if node_actions:
