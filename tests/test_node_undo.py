@@ -29,7 +29,7 @@ from forewarn.approval.approver import UNDO_RETRY_FOR, Stage
 from forewarn.approval.policy import parse_policy
 from forewarn.imds.document import parse_document
 from forewarn.node import KubeError, build_actor
-from test_node_actions import CLUSTER_ROLE, RECORD_SCHEMA, Harness, imds_event
+from test_node_actions import CLUSTER_ROLE, RECORD_SCHEMA, Harness, conditions, imds_event
 
 from conftest import CollectorProcess, SimulatorHandle, sample, wait_for_polls, wait_until
 from peers.kube_api import TOKEN, KubeApi
@@ -68,10 +68,6 @@ def harnesses(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
     yield make
     for harness in made:
         harness.close()
-
-
-def conditions(node: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in node["status"]["conditions"]}
 
 
 def ledger(api: KubeApi, node: str = "node-1") -> dict[str, Any]:

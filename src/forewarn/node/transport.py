@@ -82,8 +82,6 @@ class DeadlineTransport(httpx2.BaseTransport):
         except TimeoutError as exc:
             raise httpx2.ReadTimeout(f"no complete answer within {self.timeout:g} s ({exc})",
                                      request=request) from None
-        except ReplyTooLarge:
-            raise
         except (OSError, http.client.HTTPException) as exc:
             raise httpx2.ConnectError(f"{type(exc).__name__}: {exc}", request=request) from None
         if keep:
