@@ -10,8 +10,8 @@
 
 Registries of container images are out of reach on the machines the tests run on, so `base` makes the base
 the Dockerfile's BASE argument names from Debian's packages with mmdebstrap. `build` runs `buildah build` on
-the Dockerfile as it is, with chroot isolation; the build's pip trusts the host's CA bundle through a pip
-configuration mounted for the RUN steps only (nothing of it reaches a layer). `run` does what a container
+the Dockerfile as it is, with chroot isolation; the build's pip trusts the host's CA bundle, given as a
+build secret for the build stage only (nothing of it reaches a layer). `run` does what a container
 runtime does for `docker run --read-only --cap-drop ALL --user 65532:65532 -v STATE:/var/lib/forewarn`:
 the image's root, bind-mounted read-only in a private mount namespace and a new PID namespace, the state
 dir the only writable path, every capability dropped (bounding set included) with no_new_privs, the
@@ -45,7 +45,6 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates", "passwd")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 HOST_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
-BUILD_CA = "/run/forewarn-build/ca.crt"
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
 
 
@@ -103,15 +102,12 @@ def cmd_build(args: argparse.Namespace) -> int:
             "--platform", f"linux/{args.arch}", "--file", str(ROOT / "Dockerfile"),
             "--build-arg", f"BASE={base}", "--build-arg", f"EXTRAS={args.extras}",
             "--build-arg", f"VERSION={args.version}", "--tag", tag]
-    with tempfile.TemporaryDirectory(prefix="forewarn-build-") as scratch:
-        # The build's pip trusts the host's CA bundle: a pip configuration and the bundle, mounted for the
-        # RUN steps only. PIP_CERT as a build argument would stay in the image's history; this does not.
-        ca = host_ca_bundle()
-        if ca:
-            pip_conf = Path(scratch) / "pip.conf"
-            pip_conf.write_text(f"[global]\ncert = {BUILD_CA}\n")
-            argv += ["--volume", f"{pip_conf}:/etc/pip.conf:ro", "--volume", f"{ca}:{BUILD_CA}:ro"]
-        run(*argv, str(ROOT), timeout=args.timeout)
+    # The build's pip trusts the host's CA bundle, passed as a build secret with PIP_CERT naming it: both
+    # reach the build stage's RUN only, never a layer of the image (a --volume would leave its mount point).
+    ca = host_ca_bundle()
+    if ca:
+        argv += ["--secret", f"id=pip-ca,src={ca}", "--build-arg", "PIP_CERT=/run/secrets/pip-ca"]
+    run(*argv, str(ROOT), timeout=args.timeout)
     print(tag)
     return 0
 
@@ -266,7 +262,7 @@ def inner(spec_json: str) -> None:
             sys.stderr.write(f"{program}: not found on the image's PATH\n")
             os._exit(127)
         program = found
-    os.execve(program, spec["argv"], env)
+    os.execve(program, spec["argv"], env)  # noqa: S606 - the container's program, no shell
 
 
 def main(argv: list[str] | None = None) -> int:

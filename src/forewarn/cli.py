@@ -63,6 +63,8 @@ def _endpoint_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="forewarn", description="Advance warning of Azure VM maintenance: IMDS Scheduled "
                      "Events as Prometheus metrics and CloudEvents records.")
+    parser.add_argument("--version", action="version", version=f"forewarn {__version__}",
+                        help="print forewarn's version and exit (`forewarn version` says more)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = commands.add_parser("run", help="the collector: poll IMDS, serve metrics, forward records",
