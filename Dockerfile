@@ -11,13 +11,20 @@ ARG BASE=python:3.12-slim
 
 FROM ${BASE} AS build
 ARG EXTRAS=all
+# Behind a TLS-intercepting proxy, pip trusts its CA through a build secret, for this stage only:
+#   --secret id=pip-ca,src=/path/to/ca-bundle.pem --build-arg PIP_CERT=/run/secrets/pip-ca
+# Neither the bundle nor the variable reaches the image: the final stage has no pip and no such argument.
+ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-# pip, setuptools and wheel leave the venv once forewarn is in: nothing installs at run time.
-RUN python -m venv /opt/forewarn \
+# pip, setuptools and wheel leave the venv once forewarn is in (nothing installs at run time), and so do
+# the test suites some libraries ship inside their package.
+RUN --mount=type=secret,id=pip-ca \
+    python -m venv /opt/forewarn \
  && /opt/forewarn/bin/pip install --no-cache-dir --disable-pip-version-check ".[${EXTRAS}]" \
- && /opt/forewarn/bin/pip uninstall --yes --no-cache-dir --disable-pip-version-check pip setuptools wheel
+ && /opt/forewarn/bin/pip uninstall --yes --no-cache-dir --disable-pip-version-check pip setuptools wheel \
+ && find /opt/forewarn/lib -depth -type d -path "*/site-packages/*/tests" -exec rm -r {} +
 
 FROM ${BASE}
 ARG VERSION=0.1.0
