@@ -19,6 +19,7 @@ bench: setup
 	$(PYTHON) bench/hostile.py
 	$(PYTHON) bench/tls.py
 	$(PYTHON) bench/node_actions.py
+	cd bench && ../$(PYTHON) image.py
 	$(PYTHON) bench/report.py | tee bench/results/report.md
 
 # A smoke run of the same (about 15 minutes): small samples, figures not for publishing.
@@ -30,4 +31,5 @@ bench-quick: setup
 	$(PYTHON) bench/hostile.py --quick
 	$(PYTHON) bench/tls.py --quick
 	$(PYTHON) bench/node_actions.py --quick
+	cd bench && ../$(PYTHON) image.py --settle 10 --samples 5
 	$(PYTHON) bench/report.py

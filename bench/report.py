@@ -173,9 +173,26 @@ def node_actions(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def image(results: dict[str, Any]) -> list[str]:
+    full, slim, host = results["all"], results["slim"], results["host_idle"]
+    base = results["base_size"]
+    lines = [f"Container image ({results['date']}; base {results['base']}: {base / 1e6:.0f} MB)", "",
+             "| image | size | added to the base | build time | idle RSS in the container | same command outside |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for label, row in (("full (`all`)", full), ("slim", slim)):
+        lines.append(f"| {label} | {row['size'] / 1e6:.0f} MB | {(row['size'] - base) / 1e6:.1f} MB | "
+                     f"{row['build_s']:.0f} s | {row['idle']['rss_mib']:.1f} MiB | {host['rss_mib']:.1f} MiB |")
+    lines += ["", "Layers of the full image:", "", "| size | instruction |", "| --- | --- |"]
+    for layer in full["layers"]:
+        lines.append(f"| {layer['size'] / 1e6:.1f} MB | `{layer['created_by'][:90].strip()}` |")
+    lines += ["", "The largest entries of the full image's venv:", "", "| entry | size |", "| --- | --- |"]
+    lines += [f"| {entry['name']} | {entry['size'] / 1e6:.1f} MB |" for entry in full["packages"]]
+    return lines
+
+
 def main() -> None:
     for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak),
-                         ("hostile", hostile), ("node_actions", node_actions)):
+                         ("hostile", hostile), ("node_actions", node_actions), ("image", image)):
         results = load(name)
         if results is not None:
             print("\n".join(render(results)) + "\n")
