@@ -43,7 +43,7 @@ def image_size(image: str) -> int:
 def build(extras: str) -> dict[str, Any]:
     tag = f"localhost/forewarn-bench:{extras}"
     started = time.monotonic()
-    sh(sys.executable, str(SCRIPT), "build", "--base", BASE, "--extras", extras, "--tag", tag)
+    sh(sys.executable, str(SCRIPT), "build", "--base", BASE, "--extras", extras, "--tag", tag, "--no-cache")
     seconds = time.monotonic() - started
     layers = json.loads(sh(sys.executable, str(SCRIPT), "layers", tag))["layers"]
     return {"tag": tag, "build_s": round(seconds, 1), "size": image_size(tag),

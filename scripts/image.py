@@ -98,12 +98,14 @@ def host_ca_bundle() -> str | None:
 def cmd_build(args: argparse.Namespace) -> int:
     base = args.base or default_base(args.arch)
     tag = args.tag or f"localhost/forewarn:{args.version}{'' if args.extras == 'all' else '-' + args.extras}"
-    argv = ["buildah", "build", "--isolation", "chroot", "--format", "docker", "--pull-never",
+    argv = ["buildah", "build", "--isolation", "chroot", "--format", "docker", "--layers", "--pull-never",
             "--platform", f"linux/{args.arch}", "--file", str(ROOT / "Dockerfile"),
             "--build-arg", f"BASE={base}", "--build-arg", f"EXTRAS={args.extras}",
             "--build-arg", f"VERSION={args.version}", "--tag", tag]
     # The build's pip trusts the host's CA bundle, passed as a build secret with PIP_CERT naming it: both
     # reach the build stage's RUN only, never a layer of the image (a --volume would leave its mount point).
+    if args.no_cache:
+        argv.append("--no-cache")
     ca = host_ca_bundle()
     if ca:
         argv += ["--secret", f"id=pip-ca,src={ca}", "--build-arg", "PIP_CERT=/run/secrets/pip-ca"]
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--version", default=None, help="the VERSION label (default: forewarn's version)")
     build.add_argument("--tag")
     build.add_argument("--timeout", type=float, default=3600)
+    build.add_argument("--no-cache", action="store_true", help="build every layer anew (for timing)")
     for name in ("run", "exec", "healthcheck", "layers"):
         sub = commands.add_parser(name)
         sub.add_argument("image")
