@@ -46,7 +46,8 @@ def test_the_test_extra_pins_the_release_tools() -> None:
 
 def test_twine_and_check_wheel_contents_pass(dist: Path) -> None:
     files = sorted(str(path) for path in dist.iterdir())
-    assert [Path(f).name for f in files] == [f"forewarn-{__version__}-py3-none-any.whl", f"forewarn-{__version__}.tar.gz"]
+    expected = [f"forewarn-{__version__}-py3-none-any.whl", f"forewarn-{__version__}.tar.gz"]
+    assert [Path(f).name for f in files] == expected
     twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *files], capture_output=True,
                            text=True, timeout=120)
     assert twine.returncode == 0, twine.stdout + twine.stderr
@@ -76,4 +77,5 @@ def test_the_sdist_builds_the_same_package(dist: Path) -> None:
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    assert {"pyproject.toml", "README.md", "src/forewarn/__init__.py", "src/forewarn/schemas/record.schema.json"} <= names
+    assert {"pyproject.toml", "README.md", "src/forewarn/__init__.py",
+            "src/forewarn/schemas/record.schema.json"} <= names
