@@ -1,0 +1,189 @@
+"""Every scheduled event of the fleet, one state per (target resource, EventId), moving forward only.
+
+The central feeds differ from IMDS: an event has a final status of its own (Completed, Canceled) instead of
+leaving a document; the same news arrives by several paths (a queue, a push, the next Resource Graph
+snapshot), late, out of order or twice (Event Grid repeats a delivery with the same envelope id). So the
+fleet tracker keeps, per event:
+
+- a status that only moves forward: Scheduled -> Started -> Completed | Canceled. A late Scheduled after
+  Started, or anything after a final status, changes nothing;
+- the documented fields that make a change (type, status, NotBefore, Resources, description, source,
+  duration); a repeat with the same fields is no change, whichever path it came by;
+- a bounded memory of delivery ids (duplicates dropped) and of ended events (a Completed seen again, or
+  after a restart, is not reported twice);
+- for Resource Graph snapshots, which list what is open now: an open event missing from two complete
+  snapshots in a row (and not updated since before the first of them) is ended, and the change says so.
+
+The changes reuse the per-VM agent's kinds (`added`, `updated`, `removed` with an outcome), so records and
+metrics read the same in both modes. Everything here is pure: the caller passes the clock's value in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
+
+from forewarn.fleet.feed import FleetEvent
+from forewarn.imds.document import format_not_before
+from forewarn.tracker import ChangeKind, Outcome
+
+#: How far along each status is; an unknown status is treated as Scheduled (an open event).
+STATUS_RANK = {"Scheduled": 0, "Started": 1, "Completed": 2, "Canceled": 2}
+FINAL_OUTCOME = {"Completed": Outcome.COMPLETED, "Canceled": Outcome.CANCELLED}
+#: Delivery ids remembered to drop Event Grid's repeats, and ended events remembered to ignore late news.
+MAX_DELIVERY_IDS = 100_000
+MAX_ENDED = 100_000
+#: Complete snapshots in a row an open event must be missing from before it is ended.
+MISSING_SNAPSHOTS = 2
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EndedBy(str, Enum):
+    """How the tracker learnt that an event ended."""
+
+    STATUS = "status"      # the feed said Completed or Canceled
+    MISSING = "missing"    # gone from two complete snapshots in a row without a final status
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def event_key(event: FleetEvent) -> tuple[str, str]:
+    """(target resource, EventId) without regard to case: ARM IDs and GUIDs compare case-insensitively."""
+    return event.resource_id.lower(), event.event_id.lower()
+
+
+def fingerprint(event: FleetEvent) -> str:
+    """A digest of the documented fields: equal for the same news from any feed, replica or restart."""
+    e = event.event
+    parts = [e.event_type, e.status, format_not_before(e.not_before) if e.not_before else "",
+             "\x1f".join(e.resources), e.description or "", e.source or "",
+             "" if e.duration_seconds is None else str(e.duration_seconds)]
+    return hashlib.sha256("\x1e".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class FleetChange:
+    """Something that happened to one event of the fleet. For `removed`, `event` is the event as it ended
+    (the final status when the feed sent one, else as last seen) and `ended_by` says how it was learnt."""
+
+    kind: ChangeKind
+    event: FleetEvent
+    previous: FleetEvent | None = None
+    outcome: Outcome | None = None
+    ended_by: EndedBy | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """What tells this change from the event's others: record ids are built from it, so the same change
+        gets the same id whichever replica or restart reports it."""
+        return f"{self.kind}:{fingerprint(self.event)}:{self.ended_by or ''}"
+
+
+@dataclass
+class _Open:
+    event: FleetEvent
+    updated_at: float       # the clock when this state was last changed or confirmed by a push
+    missing: int = 0        # complete snapshots in a row without it
+
+
+class FleetTracker:
+    """The open events of the fleet, and the changes each new piece of news brings."""
+
+    def __init__(self, open_events: Iterable[FleetEvent] = (), ended: Iterable[tuple[str, str]] = (),
+                 now: float = 0.0) -> None:
+        self._open: dict[tuple[str, str], _Open] = {event_key(e): _Open(e, now) for e in open_events}
+        self._ended: OrderedDict[tuple[str, str], None] = OrderedDict((key, None) for key in ended)
+        self._deliveries: OrderedDict[str, None] = OrderedDict()
+        self.duplicates = 0      # deliveries dropped by id
+        self.stale = 0           # news that would have moved an event backwards, or came after its end
+
+    @property
+    def open_events(self) -> list[FleetEvent]:
+        return [state.event for state in self._open.values()]
+
+    @property
+    def ended_keys(self) -> list[tuple[str, str]]:
+        """The ended events remembered (oldest first): saved with the open ones, so a restart keeps them."""
+        return list(self._ended)
+
+    # --- news from a push or a queue ----------------------------------------------------------------
+    def apply(self, event: FleetEvent, now: float) -> list[FleetChange]:
+        """One event from any feed; [] when it repeats or is older than what is known."""
+        if event.delivery_id is not None:
+            if event.delivery_id in self._deliveries:
+                self.duplicates += 1
+                return []
+            self._remember(self._deliveries, event.delivery_id, MAX_DELIVERY_IDS)
+        key = event_key(event)
+        if key in self._ended:
+            self.stale += 1
+            return []
+        state = self._open.get(key)
+        final = FINAL_OUTCOME.get(event.status)
+        if state is None:
+            if final is not None:
+                # first heard of at its end: one record says it ended (no `added` just before it)
+                self._end(key)
+                return [FleetChange(ChangeKind.REMOVED, event, None, final, EndedBy.STATUS)]
+            self._open[key] = _Open(event, now)
+            return [FleetChange(ChangeKind.ADDED, event)]
+        previous = state.event
+        if STATUS_RANK.get(event.status, 0) < STATUS_RANK.get(previous.status, 0):
+            self.stale += 1
+            return []
+        if final is not None:
+            del self._open[key]
+            self._end(key)
+            return [FleetChange(ChangeKind.REMOVED, event, previous, final, EndedBy.STATUS)]
+        state.missing = 0
+        state.updated_at = now
+        if fingerprint(event) == fingerprint(previous):
+            return []
+        state.event = event
+        return [FleetChange(ChangeKind.UPDATED, event, previous)]
+
+    # --- a Resource Graph snapshot ------------------------------------------------------------------
+    def apply_snapshot(self, events: Sequence[FleetEvent], started_at: float, now: float,
+                       complete: bool = True) -> list[FleetChange]:
+        """The events a snapshot lists, each applied as news; then, when the snapshot covered every scope
+        and page (`complete`), the open events it lacks are counted missing, and ended at the second
+        complete snapshot in a row that lacks them. An event changed after `started_at` (news that came
+        by push while the snapshot ran, which Resource Graph may not show yet) is not counted missing."""
+        changes: list[FleetChange] = []
+        listed = set()
+        for event in events:
+            listed.add(event_key(event))
+            changes += self.apply(event, now)
+        if not complete:
+            return changes
+        for key, state in list(self._open.items()):
+            if key in listed:
+                state.missing = 0
+                continue
+            if state.updated_at > started_at:
+                continue
+            state.missing += 1
+            if state.missing >= MISSING_SNAPSHOTS:
+                del self._open[key]
+                self._end(key)
+                last = state.event
+                outcome = Outcome.COMPLETED if last.status == "Started" else Outcome.CANCELLED
+                changes.append(FleetChange(ChangeKind.REMOVED, last, last, outcome, EndedBy.MISSING))
+        return changes
+
+    # --- bounded memories ---------------------------------------------------------------------------
+    def _end(self, key: tuple[str, str]) -> None:
+        self._remember(self._ended, key, MAX_ENDED)
+
+    @staticmethod
+    def _remember(memory: OrderedDict[K, None], key: K, limit: int) -> None:
+        memory[key] = None
+        memory.move_to_end(key)
+        while len(memory) > limit:
+            memory.popitem(last=False)
