@@ -81,7 +81,7 @@ def rfc3339(moment: datetime) -> str:
 
 def to_record(change: Change, vm: VmInfo, observed_at: datetime) -> Record:
     """The record for a document change, as seen by `vm` at `observed_at`."""
-    data = _event_data(str(change.kind), change.event, change.incarnation, vm)
+    data = event_data(str(change.kind), change.event, change.incarnation, vm)
     if change.kind in (ChangeKind.UPDATED, ChangeKind.REMOVED) and change.previous is not None:
         data["previous_status"] = change.previous.status
     if change.kind is ChangeKind.REMOVED and change.outcome is not None:
@@ -93,7 +93,7 @@ def approval_record(event: Event, vm: VmInfo, rule: str, dry_run: bool, incarnat
                     at: datetime) -> Record:
     """The `approved` record: `vm` approved `event` (or would have, under `dry_run`) by the policy rule
     named `rule`, while the document of `incarnation` was current."""
-    data = _event_data(APPROVED, event, incarnation, vm)
+    data = event_data(APPROVED, event, incarnation, vm)
     data["policy_rule"] = rule
     data["dry_run"] = dry_run
     return _record(APPROVED, event, incarnation, vm, at, data)
@@ -104,7 +104,7 @@ def node_action_record(event: Event, vm: VmInfo, node: str, rule: str | None, ac
     """A `node_action` record: `action` on the Kubernetes node `node` for `event` ended with `result`
     (ok, failed, dry_run); `detail` says what was done or why it failed. The id repeats for the same action
     and result of the same event in the same document, so a restart that does it again is recognised."""
-    data = _event_data(NODE_ACTION, event, incarnation, vm)
+    data = event_data(NODE_ACTION, event, incarnation, vm)
     data["node"] = node
     data["action"] = action
     data["result"] = result
@@ -122,7 +122,7 @@ def node_action_record(event: Event, vm: VmInfo, node: str, rule: str | None, ac
     )
 
 
-def _event_data(change: str, event: Event, incarnation: int, vm: VmInfo) -> dict[str, Any]:
+def event_data(change: str, event: Event, incarnation: int, vm: VmInfo) -> dict[str, Any]:
     """The `data` fields every record has, in the order records have always had them."""
     return {
         "change": change,
