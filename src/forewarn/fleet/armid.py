@@ -198,7 +198,7 @@ def split_scheduled_event_id(text: str) -> tuple[ArmId, str]:
 def is_scheduled_event_id(text: str) -> bool:
     """A cheap test, without a full parse: does `text` look like a scheduled event's ARM ID?"""
     marker = f"/providers/{SCHEDULED_EVENTS_NAMESPACE}/{SCHEDULED_EVENTS_TYPE}/".lower()
-    return isinstance(text, str) and len(text) <= MAX_ARM_ID_LENGTH and marker in text.lower()
+    return isinstance(text, str) and marker in text.lower()
 
 
 def vm_id(subscription_id: str, resource_group: str, name: str) -> str:
