@@ -185,6 +185,10 @@ def _parse_quota_remaining(value: str | None) -> int | None:
         return None
 
 
+def _printable(text: str) -> str:
+    return "".join(ch if ch.isprintable() else " " for ch in text)
+
+
 def default_tls_context() -> ssl.SSLContext:
     """Certificates checked against REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE when set, else certifi's bundle:
     the same trust azure-identity's token request has, so one setting covers both."""
@@ -417,13 +421,12 @@ class ResourceGraphClient:
     def _status_error(self, status: int, body: bytes, headers: dict[str, str], retryable: bool,
                       retry_after: float | None, attempts: int) -> ResourceGraphError:
         """ARM explains itself in {"error": {"code", "message"}}; the start of that, made printable."""
-        snippet = body[:300].decode("utf-8", "replace").strip()
-        snippet = "".join(ch if ch.isprintable() else " " for ch in snippet)
-        request_id = headers.get("x-ms-request-id")
+        snippet = _printable(body[:300].decode("utf-8", "replace").strip())
+        request_id = _printable(headers.get("x-ms-request-id", "")[:64])
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return ResourceGraphError(
             f"{self._what}: HTTP {status}{tries}" + (f" ({snippet})" if snippet else "")
-            + (f" [x-ms-request-id {request_id[:64]}]" if request_id else ""),
+            + (f" [x-ms-request-id {request_id}]" if request_id else ""),
             status=status, retryable=retryable, retry_after=retry_after)
 
     # --- waits -------------------------------------------------------------------------------------------
