@@ -234,3 +234,23 @@ def test_closing_while_workers_read_ends_their_reads_with_store_error() -> None:
     # and a move between stores closes the old one under the workers: that must never crash the process.
     result = subprocess.run([sys.executable, "-c", CLOSE_WHILE_READING], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-2000:]
+
+
+def test_a_named_state_is_saved_with_its_records_and_survives_memory_and_restarts(tmp_path: Path) -> None:
+    """Fleet mode saves its tracker as a named state, in the records' transaction, beside (never over) the
+    IMDS document; a move to memory and back carries it."""
+    with read_only(tmp_path):
+        outbox = Outbox(tmp_path, ["stdout"])
+        outbox.append(records(1), DOC, state={"fleet": '{"open": 1}'})
+        assert outbox.load_state("fleet") == '{"open": 1}' and outbox.load_state("other") is None
+    assert outbox.recover()
+    outbox.append(records(1, start=1), state={"fleet": '{"open": 2}'})
+    outbox.close()
+    reopened = Outbox(tmp_path, ["stdout"])
+    assert reopened.load_state("fleet") == '{"open": 2}'
+    document = reopened.load_document()
+    assert document is not None and document.incarnation == 7   # the document's own key is untouched
+    with pytest.raises(ValueError, match="document"):
+        reopened.append(records(1, start=2), state={"document": "{}"})
+    assert subjects(reopened, "stdout") == ["E0", "E1"]          # the refused write added nothing
+    reopened.close()

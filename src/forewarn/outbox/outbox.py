@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from forewarn.imds.document import Document
@@ -95,22 +95,29 @@ class Outbox:
         """The document last appended with its records (None on a first start); raises StoreError."""
         return self._store.load_document()
 
-    def append(self, records: Sequence[Record], document: Document | None = None) -> int:
-        """Add records, and `document` as the saved state when given, in one transaction; then wake the
-        workers. Returns how many of the oldest records were dropped to stay within `max_records`.
+    def load_state(self, key: str) -> str | None:
+        """The state last appended under `key` with its records (None when none was); raises StoreError."""
+        return self._store.load_state(key)
 
-        Only the poll loop passes a document: the saved state moves forward only together with the
-        records of that document's changes. A write the state dir refuses is made in memory instead.
+    def append(self, records: Sequence[Record], document: Document | None = None,
+               state: Mapping[str, str] | None = None) -> int:
+        """Add records, and `document` (or `state`, text by key) as the saved state when given, in one
+        transaction; then wake the workers. Returns how many of the oldest records were dropped to stay
+        within `max_records`.
+
+        Only the loop that owns the state passes it (the poll loop its document, fleet mode its tracker):
+        the saved state moves forward only together with the records of its changes. A write the state
+        dir refuses is made in memory instead.
         """
         with self._lock:
             if self._closed.is_set():
                 raise StoreError("the outbox is closed")
             try:
-                dropped = self._store.commit(document, records)
+                dropped = self._store.commit(document, records, state)
             except StoreError as exc:
                 self._observer.write_failed()
                 self._move_to_memory(str(exc))
-                dropped = self._store.commit(document, records)
+                dropped = self._store.commit(document, records, state)
             if dropped:
                 self._observer.records_dropped(dropped)
                 log.error("outbox full (%d records): dropped the %d oldest", self.max_records, dropped)
@@ -217,6 +224,6 @@ class Outbox:
 
 
 def _carry(source: Store, target: Store) -> None:
-    """Give `target` the records, cursors and saved document of `source` (sequence numbers as they were)."""
+    """Give `target` the records, cursors and saved states of `source` (sequence numbers as they were)."""
     rows, cursors = source.dump()
-    target.adopt(rows, cursors, source.load_document())
+    target.adopt(rows, cursors, source.load_document(), source.states())

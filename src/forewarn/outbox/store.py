@@ -17,7 +17,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +161,29 @@ class Store:
         except DocumentError:
             return None
 
-    def commit(self, document: Document | None, records: Sequence[Record]) -> int:
-        """Write `records` to the outbox and `document` as the state, in one transaction.
+    def load_state(self, key: str) -> str | None:
+        """The saved state under `key` (another mode's counterpart of the document: fleet mode saves its
+        tracker here), or None when nothing was saved under it."""
+        try:
+            with self._use() as conn:
+                row = conn.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read state: {exc}") from exc
+        return None if row is None else str(row[0])
+
+    def states(self) -> dict[str, str]:
+        """Every saved state but the document, to carry them over to another store."""
+        try:
+            with self._use() as conn:
+                rows = conn.execute("SELECT key, value FROM state WHERE key != 'document'").fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read state: {exc}") from exc
+        return {str(key): str(value) for key, value in rows}
+
+    def commit(self, document: Document | None, records: Sequence[Record],
+               state: Mapping[str, str] | None = None) -> int:
+        """Write `records` to the outbox, `document` as the state and each of `state` under its key, in one
+        transaction.
 
         Returns how many old records were dropped to keep the outbox within `max_records`. Raises
         StoreError (and writes nothing) when the disk is full or the file is not writable.
@@ -172,7 +193,15 @@ class Store:
             conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
                              [(record.to_json(), now) for record in records])
             self._save_document(conn, document)
+            self._save_states(conn, state)
             return self._enforce_bound(conn)
+
+    @staticmethod
+    def _save_states(conn: sqlite3.Connection, state: Mapping[str, str] | None) -> None:
+        for key, value in (state or {}).items():
+            if key == "document":
+                raise ValueError("the key 'document' is the IMDS document's")
+            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", (key, value))
 
     @staticmethod
     def _save_document(conn: sqlite3.Connection, document: Document | None) -> None:
@@ -232,7 +261,7 @@ class Store:
         return [(int(a), str(b), float(c)) for a, b, c in rows], {str(k): int(v) for k, v in cursors.items()}
 
     def adopt(self, rows: Sequence[tuple[int, str, float]], cursors: dict[str, int],
-              document: Document | None) -> None:
+              document: Document | None, state: Mapping[str, str] | None = None) -> None:
         """Replace this store's outbox and state with another store's (see `dump`), in one transaction.
 
         Sequence numbers and cursors are kept as they were, so each sink resumes where it stood.
@@ -249,6 +278,7 @@ class Store:
             conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)",
                          (max(high, current[0] if current else 0),))
             self._save_document(conn, document)
+            self._save_states(conn, state)
 
     def close(self) -> None:
         """Close every connection of every thread, once what they are running has ended; from then on
