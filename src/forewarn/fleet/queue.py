@@ -278,8 +278,7 @@ class QueueSource:
             credential = ManagedIdentityCredential(client_id=client_id) if client_id else DefaultAzureCredential()
         account_url = queue_url.split("?", 1)[0].rstrip("/")
         account_url = account_url[: -len(queue_name)].rstrip("/")
-        secrets = tuple(value for part in sas.split("&") if part.startswith("sig=")
-                        for value in (part[4:],))
+        secrets = tuple(part[4:] for part in sas.split("&") if part.startswith("sig="))
         try:
             client = QueueClient.from_queue_url(queue_url, credential=credential, **_client_options(options))
             poison = QueueClient(account_url + (f"?{sas}" if sas else ""), poison_name, credential=credential,
