@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.config import (
+    FLEET_OPTIONS,
     REQUEST_TIMEOUT,
     RUN_OPTIONS,
     SEED,
@@ -30,6 +31,7 @@ from forewarn.config import (
     read_text_file,
     redact_url,
     resolve,
+    resolve_fleet,
 )
 from forewarn.imds.client import ImdsClient, ImdsError
 from forewarn.imds.document import API_VERSIONS, Document, DocumentError
@@ -75,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_option = next(o for o in RUN_OPTIONS if o.name == "simulate")
     run.add_argument("--simulate", dest="simulate", nargs="?", const="tour", default=argparse.SUPPRESS,
                      metavar="SCENARIO", help=simulate_option.help + f" [env {simulate_option.env}]")
+
+    fleet = commands.add_parser("fleet", help="the central service: many VMs' events from Resource Graph and "
+                                "Event Grid (preview feeds)",
+                                description="Read the Scheduled Events Azure publishes centrally (Resource Graph "
+                                "snapshots, Event Grid deliveries through a Storage queue) for many VMs and publish "
+                                "the same records and metrics as `run` (docs/fleet.md). Every option can also be "
+                                "set as FOREWARN_<OPTION> or in the --config file.")
+    fleet.add_argument("--config", metavar="FILE", help="YAML file of option names and values [env FOREWARN_CONFIG]")
+    add_options(fleet, FLEET_OPTIONS)
 
     sim = commands.add_parser("simulate", help="the IMDS simulator alone, as an HTTP server",
                               description="Serve a simulated IMDS (Scheduled Events and instance metadata).")
@@ -349,11 +360,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_agent(settings)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from forewarn.fleet.service import run_fleet
+
+    settings = resolve_fleet(args)
+    setup_logging(settings.log_format, settings.log_level)
+    return run_fleet(settings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers: dict[str, Any] = {
         "run": cmd_run,
+        "fleet": cmd_fleet,
         "simulate": cmd_simulate,
         "events": cmd_events,
         "approve": cmd_approve,

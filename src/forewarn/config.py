@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from forewarn import DEFAULT_API_VERSION
@@ -23,6 +23,7 @@ from forewarn.imds.client import DEFAULT_ENDPOINT
 from forewarn.imds.document import API_VERSIONS
 
 ENV_PREFIX = "FOREWARN_"
+S = TypeVar("S", bound="Settings")
 DEFAULT_LISTEN = ":9465"
 
 
@@ -442,6 +443,96 @@ class Settings:
         return shown
 
 
+#: `run`'s options that `forewarn fleet` takes as they are: the web server, the state dir and outbox, every
+#: sink, logging. The IMDS, VM, approval and simulator options are the per-VM agent's.
+FLEET_SHARED = tuple(option for option in RUN_OPTIONS if option.name not in (
+    "imds-endpoint", "api-version", "poll-interval", "imds-timeout", "imds-max-backoff", "imds-max-reply-bytes",
+    "vm-name", "policy", "dry-run", "node-name", "kubeconfig", "probe.lb-lead-time", "probe.lb-freeze-threshold",
+    "compute-refresh", "simulate", "speed", "fault"))
+_GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_MANAGEMENT_GROUP = re.compile(r"[A-Za-z0-9_.()-]{1,90}")
+
+
+def _subscription_id(text: str) -> str:
+    if not _GUID.fullmatch(text.strip()):
+        raise ValueError(f"{text!r} is not a subscription id (a GUID)")
+    return text.strip().lower()
+
+
+def _management_group(text: str) -> str:
+    if not _MANAGEMENT_GROUP.fullmatch(text.strip()):
+        raise ValueError(f"{text!r} is not a management group id (letters, digits, -_.() up to 90)")
+    return text.strip()
+
+
+def _https_url(text: str) -> str:
+    url = endpoint_url(text)
+    if not url.startswith("https://"):
+        raise ValueError(f"{safe_url(url)} must be https: a bearer token goes with every request")
+    return url
+
+
+def _queue_url(text: str) -> str:
+    expected = "expected https://ACCOUNT.queue.core.windows.net/QUEUE"
+    if text == "discover" or any(ch.isspace() or not ch.isprintable() for ch in text):
+        raise ValueError(expected)
+    try:
+        url = endpoint_url(text)
+    except ValueError:
+        raise ValueError(expected) from None
+    if not [segment for segment in urlsplit(url).path.split("/") if segment]:
+        raise ValueError(expected + " (the queue's name is missing)")
+    return url
+
+
+FLEET_ONLY: tuple[Option, ...] = (
+    Option("subscription", "a subscription whose scheduled events Resource Graph lists (repeatable)", [],
+           _subscription_id, repeatable=True, metavar="ID"),
+    Option("management-group", "a management group whose subscriptions Resource Graph lists (repeatable)", [],
+           _management_group, repeatable=True, metavar="ID"),
+    Option("arm-endpoint", "Azure Resource Manager base URL (sovereign clouds, tests)", "https://management.azure.com",
+           _https_url, metavar="URL"),
+    Option("arm-client-id", "client id of a user-assigned managed identity for Resource Graph (default: "
+           "azure-identity's DefaultAzureCredential: workload identity, managed identity, ...)", None, metavar="ID"),
+    Option("arm-timeout", "deadline of one Resource Graph request, connect to last byte", 30.0, REQUEST_TIMEOUT,
+           metavar="SECONDS"),
+    Option("arm-max-reply-bytes", "largest Resource Graph reply accepted", 16 * 1024 * 1024,
+           Number(64 * 1024, 256 * 1024 * 1024, whole=True), metavar="BYTES"),
+    Option("resource-graph-api-version", "api-version of the Resource Graph query", "2024-04-01", metavar="V"),
+    Option("reconcile-interval", "time between Resource Graph snapshots (the throttling headers are the real "
+           "limit)", 300.0, Number(1, 86_400, unit=SECONDS), metavar="SECONDS"),
+    Option("queue-url", "the Storage queue an Event Grid subscription delivers to: https://ACCOUNT.queue.core."
+           "windows.net/QUEUE (with the connection string, only its last segment, the queue's name, is used)",
+           None, _queue_url, metavar="URL"),
+    Option("queue-connection-string", "Storage connection string for --queue-url; from the environment or the "
+           "config file only, never a flag (default: azure-identity)", None, secret=True, metavar="CONNSTR"),
+    Option("queue-connection-string-file", "file holding the Storage connection string", None, metavar="PATH"),
+    Option("queue-client-id", "client id of a user-assigned managed identity for the queue", None, metavar="ID"),
+    Option("queue-visibility-timeout", "how long a received message stays hidden while its change is committed",
+           60.0, Number(1, 3600, unit=SECONDS), metavar="SECONDS"),
+)
+FLEET_OPTIONS = FLEET_SHARED + FLEET_ONLY
+
+
+@dataclass(frozen=True)
+class FleetSettings(Settings):
+    """The settings of `forewarn fleet`: `run`'s shared ones (FLEET_SHARED) and its own (FLEET_ONLY)."""
+
+    subscription: list[str] = field(default_factory=list)
+    management_group: list[str] = field(default_factory=list)
+    arm_endpoint: str = "https://management.azure.com"
+    arm_client_id: str | None = None
+    arm_timeout: float = 30.0
+    arm_max_reply_bytes: int = 16 * 1024 * 1024
+    resource_graph_api_version: str = "2024-04-01"
+    reconcile_interval: float = 300.0
+    queue_url: str | None = None
+    queue_connection_string: str | None = None
+    queue_connection_string_file: str | None = None
+    queue_client_id: str | None = None
+    queue_visibility_timeout: float = 60.0
+
+
 def safe_url(url: str) -> str:
     """A URL as `scheme://host[:port]/...`, for secrets that are whole URLs (webhooks): their path, query
     and user info often hold the token."""
@@ -542,12 +633,22 @@ def _fresh(default: Any) -> Any:
 
 #: Secrets that may come from a file named by the option `<name>-file`.
 SECRET_FILES = ("eventhubs_connection_string", "webhook_url", "slack_webhook_url", "teams_webhook_url",
-                "template_url")
+                "template_url", "queue_connection_string")
 
 
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
             environ: Mapping[str, str] | None = None) -> Settings:
     """Merge flags, environment, config file and defaults into checked Settings."""
+    return _resolve(args, options, environ, Settings)
+
+
+def resolve_fleet(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> FleetSettings:
+    """The same for `forewarn fleet`, from FLEET_OPTIONS."""
+    return _resolve(args, FLEET_OPTIONS, environ, FleetSettings)
+
+
+def _resolve(args: argparse.Namespace, options: Sequence[Option], environ: Mapping[str, str] | None,
+             into: type[S]) -> S:
     environ = os.environ if environ is None else environ
     flags = vars(args)
     config_path = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
@@ -590,4 +691,4 @@ def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
         values["state_dir"] = default_state_dir()
     for option in RUN_OPTIONS:  # options this command does not take keep their defaults
         values.setdefault(option.dest, _fresh(option.default))
-    return Settings(**values, sources=sources)
+    return into(**values, sources=sources)

@@ -10,11 +10,11 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from forewarn.logs import StateLog
-from forewarn.metrics import Metrics
 from forewarn.outbox.outbox import Outbox
-from forewarn.outbox.store import StoreError
+from forewarn.outbox.store import Backlog, StoreError
 from forewarn.retry import Backoff
 from forewarn.sinks import Sink
 
@@ -23,11 +23,28 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 500
 
 
+class BacklogView(Protocol):
+    def backlog(self, sink: str, backlog: Backlog) -> None: ...
+
+
+class DeliveryMetrics(Protocol):
+    """What a delivery worker reports: the per-VM agent's Metrics, or fleet mode's."""
+
+    @property
+    def views(self) -> BacklogView: ...
+
+    @property
+    def records(self) -> Any: ...  # a prometheus_client Counter labelled by sink
+
+    @property
+    def record_failures(self) -> Any: ...
+
+
 class DeliveryWorker:
     """Delivers one sink's records. `stop()` first drains what is waiting, for at most its timeout:
     records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
 
-    def __init__(self, sink: Sink, outbox: Outbox, metrics: Metrics, stop: threading.Event | None = None,
+    def __init__(self, sink: Sink, outbox: Outbox, metrics: DeliveryMetrics, stop: threading.Event | None = None,
                  backoff: Backoff | None = None, idle_refresh: float = 30.0) -> None:
         self.sink = sink
         self._outbox = outbox

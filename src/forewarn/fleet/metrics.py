@@ -1,0 +1,213 @@
+"""Fleet mode's metrics: the per-VM agent's families with the VM and its scope as labels, and source health.
+
+Per event and VM (present while the event is open): `azure_scheduled_event_info` and
+`azure_scheduled_event_not_before_timestamp_seconds`, with the per-VM agent's labels plus `vm`,
+`vm_scale_set`, `resource_group` and `subscription_id` (`affects_this_vm` is always "true": a fleet series
+is about a VM the event acts on). Aggregates: `azure_scheduled_events{event_type, event_status,
+event_source}` counts events (not VMs) as the per-VM agent does, and `azure_scheduled_events_by_scope`
+the same by `subscription_id` and `resource_group`. Counters and delivery families keep their names.
+Source health is new: `azure_scheduled_events_source_up{source}`, `..._source_last_success_timestamp_seconds`,
+the queue's message counts, Resource Graph's quota and the last reconcile's duration.
+
+The scrape reads an immutable snapshot that the service replaces after each commit: no lock is held
+while rendering, and a scrape never waits for a source.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from forewarn import __version__
+from forewarn.fleet.feed import FleetEvent, vm_ids
+from forewarn.fleet.records import fleet_vm
+from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
+from forewarn.outbox.store import Backlog
+
+SOURCES = ("resourcegraph", "queue")
+OPEN_STATUSES = ("Scheduled", "Started")
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    up: bool | None = None            # None: not configured, or not tried yet
+    last_success: float | None = None
+
+
+@dataclass(frozen=True)
+class FleetView:
+    events: tuple[FleetEvent, ...] = ()
+    sources: dict[str, SourceHealth] = field(default_factory=dict)
+    backlogs: dict[str, Backlog] = field(default_factory=dict)
+    quota_remaining: float | None = None
+    reconcile_seconds: float | None = None
+
+
+class FleetMetrics:
+    """The registry of `forewarn fleet`, and the operations that change what it shows."""
+
+    def __init__(self, sources: Sequence[str], api_version: str = "") -> None:
+        self.api_version = api_version
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._view = FleetView(sources={name: SourceHealth() for name in sources})
+        self.views = self  # what the delivery workers report backlogs to (DeliveryMetrics)
+        r = self.registry
+        self.observed = Counter("azure_scheduled_events_observed_total", "Distinct events first seen.",
+                                ["event_type", "event_source"], registry=r)
+        self.ended = Counter("azure_scheduled_events_ended_total", "Events that ended, by outcome.",
+                             ["event_type", "outcome"], registry=r)
+        self.records = Counter("azure_scheduled_events_records_total", "Records delivered, by sink.", ["sink"],
+                               registry=r)
+        self.record_failures = Counter("azure_scheduled_events_record_failures_total",
+                                       "Failed delivery attempts, by sink (each is retried).", ["sink"], registry=r)
+        self.outbox_dropped = Counter("azure_scheduled_events_outbox_dropped_records_total",
+                                      "Records dropped because the outbox was full.", registry=r)
+        self.store_errors = Counter("azure_scheduled_events_state_write_errors_total",
+                                    "Failed writes of state or outbox.", registry=r)
+        self.state_writable = Gauge("azure_scheduled_events_state_writable",
+                                    "0 while the state dir cannot be written and the outbox is in memory.",
+                                    registry=r)
+        self.state_writable.set(1)
+        self.source_errors = Counter("azure_scheduled_events_source_errors_total",
+                                     "Failed reads of a source, by source.", ["source"], registry=r)
+        self.queue_messages = Counter("azure_scheduled_events_queue_messages_total",
+                                      "Queue messages, by what became of them: received, deleted, poisoned "
+                                      "(moved to the poison queue), unreadable.", ["result"], registry=r)
+        self.duplicates = Counter("azure_scheduled_events_duplicates_total",
+                                  "News dropped as a repeat: the same delivery, or nothing new.", registry=r)
+        self.feed_lag = Gauge("azure_scheduled_events_feed_lag_seconds",
+                              "From the Event Grid event's time to forewarn reading it, for the last one read.",
+                              registry=r)
+        for name in SOURCES:
+            self.source_errors.labels(name)
+        for result in ("received", "deleted", "poisoned", "unreadable"):
+            self.queue_messages.labels(result)
+        r.register(_ViewCollector(self))
+
+    # --- operations named for facts ----------------------------------------------------------------
+    @property
+    def view(self) -> FleetView:
+        return self._view
+
+    def events_now(self, events: Sequence[FleetEvent]) -> None:
+        with self._lock:
+            self._view = replace(self._view, events=tuple(events))
+
+    def source_succeeded(self, source: str, at: float) -> None:
+        with self._lock:
+            self._view = replace(self._view, sources={**self._view.sources, source: SourceHealth(True, at)})
+
+    def source_failed(self, source: str) -> None:
+        self.source_errors.labels(source).inc()
+        with self._lock:
+            last = self._view.sources.get(source, SourceHealth()).last_success
+            self._view = replace(self._view, sources={**self._view.sources, source: SourceHealth(False, last)})
+
+    def reconciled(self, seconds: float, quota_remaining: float | None) -> None:
+        with self._lock:
+            self._view = replace(self._view, reconcile_seconds=seconds, quota_remaining=quota_remaining)
+
+    def backlog(self, sink: str, backlog: Backlog) -> None:
+        with self._lock:
+            self._view = replace(self._view, backlogs={**self._view.backlogs, sink: backlog})
+
+    def add_sink(self, name: str) -> None:
+        self.records.labels(name)
+        self.record_failures.labels(name)
+        self.backlog(name, Backlog(records=0, oldest_created=None))
+
+    def last_success(self) -> float | None:
+        """The newest success of any source (readiness)."""
+        times = [health.last_success for health in self._view.sources.values() if health.last_success]
+        return max(times) if times else None
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition in the format the Accept header asks for (text, or OpenMetrics)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+class _ViewCollector:
+    """The families computed from the view at scrape time."""
+
+    def __init__(self, metrics: FleetMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._metrics.view
+        scope = ["vm", "vm_scale_set", "resource_group", "subscription_id"]
+        info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event open for a VM (1).",
+                                 labels=["event_id", "event_type", "event_status", "event_source", "resource_type",
+                                         "affects_this_vm", "description", *scope])
+        not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
+                                       "NotBefore as Unix time; absent once the event has Started.",
+                                       labels=["event_id", "event_type", *scope])
+        totals: Tally[tuple[str, str, str]] = Tally()
+        by_scope: Tally[tuple[str, str, str, str]] = Tally()
+        for fleet_event in view.events:
+            event = fleet_event.event
+            totals[(event.event_type, event.status, event.source or "")] += 1
+            by_scope[(event.event_type, event.status, fleet_event.subscription_id, fleet_event.resource_group)] += 1
+            for vm_resource_id in vm_ids(fleet_event):
+                vm = fleet_vm(fleet_event, vm_resource_id)
+                where = [vm.name, vm.vm_scale_set, vm.resource_group, vm.subscription_id]
+                info.add_metric([event.event_id, event.event_type, event.status, event.source or "",
+                                 event.resource_type, "true", (event.description or "")[:200], *where], 1)
+                if event.not_before is not None:
+                    not_before.add_metric([event.event_id, event.event_type, *where], event.not_before.timestamp())
+        yield info
+        yield not_before
+        aggregate = GaugeMetricFamily("azure_scheduled_events", "Open events by type, status and source.",
+                                      labels=["event_type", "event_status", "event_source"])
+        for event_type in EVENT_TYPES:
+            for status in OPEN_STATUSES:
+                for source in EVENT_SOURCES:
+                    totals.setdefault((event_type, status, source), 0)
+        for combination, count in sorted(totals.items()):
+            aggregate.add_metric(list(combination), count)
+        yield aggregate
+        scoped = GaugeMetricFamily("azure_scheduled_events_by_scope",
+                                   "Open events by type, status, subscription and resource group.",
+                                   labels=["event_type", "event_status", "subscription_id", "resource_group"])
+        for scope_key, count in sorted(by_scope.items()):
+            scoped.add_metric(list(scope_key), count)
+        yield scoped
+        up = GaugeMetricFamily("azure_scheduled_events_source_up", "1 if the source's last read succeeded.",
+                               labels=["source"])
+        last = GaugeMetricFamily("azure_scheduled_events_source_last_success_timestamp_seconds",
+                                 "Time of the source's last successful read.", labels=["source"])
+        for name, health in sorted(view.sources.items()):
+            up.add_metric([name], 1 if health.up else 0)
+            if health.last_success is not None:
+                last.add_metric([name], health.last_success)
+        yield up
+        yield last
+        if view.quota_remaining is not None:
+            yield GaugeMetricFamily("azure_scheduled_events_resourcegraph_quota_remaining",
+                                    "Resource Graph queries left in the current throttling window.",
+                                    value=view.quota_remaining)
+        if view.reconcile_seconds is not None:
+            yield GaugeMetricFamily("azure_scheduled_events_reconcile_duration_seconds",
+                                    "How long the last Resource Graph snapshot took.", value=view.reconcile_seconds)
+        waiting = GaugeMetricFamily("azure_scheduled_events_outbox_records", "Records waiting for the sink.",
+                                    labels=["sink"])
+        oldest = GaugeMetricFamily("azure_scheduled_events_outbox_oldest_record_age_seconds",
+                                   "Age of the oldest waiting record, 0 if none.", labels=["sink"])
+        now = time.time()
+        for sink, backlog in sorted(view.backlogs.items()):
+            waiting.add_metric([sink], backlog.records)
+            oldest.add_metric([sink], max(0.0, now - backlog.oldest_created) if backlog.oldest_created else 0.0)
+        yield waiting
+        yield oldest
+        build = GaugeMetricFamily("azure_scheduled_events_build_info", "forewarn's version (1); in fleet mode "
+                                  "api_version is Resource Graph's.", labels=["version", "api_version", "mode"])
+        build.add_metric([__version__, self._metrics.api_version, "fleet"], 1)
+        yield build

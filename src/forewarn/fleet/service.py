@@ -1,0 +1,348 @@
+"""`forewarn fleet`: the central service. Build the parts from FleetSettings, run the sources, stop cleanly.
+
+    Resource Graph snapshot (every --reconcile-interval) --\\
+                                                           +-> FleetTracker -> records -> Outbox.append(records,
+    Storage queue (Event Grid deliveries) ----------------/         state={"fleet": tracker}) -> sinks
+                                                                   -> FleetMetrics (the scrape's view)
+
+Each source runs on a thread of its own and hands its news to `FleetCommitter`, which applies it to the
+tracker and commits the changes' records together with the tracker's state in one outbox transaction. Only
+then does the queue source delete the message: a SIGKILL at any point loses no message and, thanks to the
+saved state and the records' content-derived ids, reports no change twice.
+
+Not here yet (docs/fleet.md): the Event Grid push route, the Lease that keeps one replica active, approvals
+and node actions (part 2). Run one replica until the Lease lands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from forewarn import __version__
+from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, parse_listen_address, redact_url
+from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
+from forewarn.fleet.metrics import FleetMetrics
+from forewarn.fleet.records import change_records
+from forewarn.fleet.state import STATE_KEY, StateError, dump, load
+from forewarn.fleet.tracker import FleetChange, FleetTracker
+from forewarn.logs import StateLog
+from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
+from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
+from forewarn.signals import handle_signals, ignore_stop_signals
+from forewarn.sinks import build_sinks
+from forewarn.tracker import ChangeKind
+from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
+from forewarn.web.server import HttpServer
+
+log = logging.getLogger(__name__)
+
+#: How long a source thread may take to notice the stop before the service carries on without it.
+SOURCE_STOP_WAIT = 2.0
+
+
+class FleetOutboxMetrics(OutboxObserver):
+    def __init__(self, metrics: FleetMetrics) -> None:
+        self._metrics = metrics
+
+    def write_failed(self) -> None:
+        self._metrics.store_errors.inc()
+
+    def records_dropped(self, count: int) -> None:
+        self._metrics.outbox_dropped.inc(count)
+
+    def writable_changed(self, writable: bool) -> None:
+        self._metrics.state_writable.set(1 if writable else 0)
+
+
+class FleetCommitter:
+    """The one writer of the tracker and the saved state: news in, records and state out, atomically."""
+
+    def __init__(self, outbox: Outbox, metrics: FleetMetrics, clock: Callable[[], float] = time.time) -> None:
+        self.outbox = outbox
+        self.metrics = metrics
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._saved = self._load()
+        self.tracker = self._restore(self._saved)
+        metrics.events_now(self.tracker.open_events)
+
+    def _load(self) -> str | None:
+        try:
+            return self.outbox.load_state(STATE_KEY)
+        except StoreError as exc:
+            log.error("cannot read the saved fleet state (%s); starting without it", exc)
+            return None
+
+    def _restore(self, saved: str | None) -> FleetTracker:
+        if saved is None:
+            return FleetTracker()
+        try:
+            tracker = load(saved, now=self.clock())
+        except StateError as exc:
+            log.error("%s; starting without it", exc)
+            return FleetTracker()
+        log.info("resuming from saved state: %d open event(s), %d ended remembered",
+                 len(tracker.open_events), len(tracker.ended_keys))
+        return tracker
+
+    def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
+        """Events from a push or a queue message; returns once their changes are committed (or raises)."""
+        with self._lock:
+            now = self.clock()
+            changes: list[FleetChange] = []
+            repeats = 0
+            for event in events:
+                found = self.tracker.apply(event, now)
+                repeats += not found
+                changes += found
+            if repeats:
+                self.metrics.duplicates.inc(repeats)
+            self._commit(changes, now)
+            return changes
+
+    def snapshot(self, events: Sequence[FleetEvent], started_at: float, complete: bool) -> list[FleetChange]:
+        with self._lock:
+            now = self.clock()
+            changes = self.tracker.apply_snapshot(events, started_at, now, complete)
+            self._commit(changes, now)
+            return changes
+
+    def _commit(self, changes: Sequence[FleetChange], now: float) -> None:
+        if not changes:
+            return
+        observed_at = datetime.fromtimestamp(now, tz=timezone.utc)
+        records = [record for change in changes for record in change_records(change, observed_at)]
+        state = dump(self.tracker)
+        try:
+            self.outbox.append(records, state={STATE_KEY: state})
+        except Exception:
+            # Nothing was committed: go back to the last committed state, so the same news, delivered
+            # again (the queue message was not deleted), is a change again and is not lost.
+            self.tracker = self._restore(self._saved)
+            raise
+        self._saved = state
+        for change in changes:
+            event = change.event.event
+            log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
+                     change.event.resource_id, change.kind, event.event_type, event.status,
+                     event.raw.get("NotBefore") or "-", ",".join(event.resources) or "-")
+            if change.kind is ChangeKind.ADDED:
+                self.metrics.observed.labels(event.event_type, event.source or "").inc()
+            elif change.kind is ChangeKind.REMOVED:
+                self.metrics.ended.labels(event.event_type, str(change.outcome)).inc()
+        self.metrics.events_now(self.tracker.open_events)
+
+
+@dataclass
+class ResourceGraphSource:
+    """Snapshots of the open events, every `interval` seconds, reconciled into the tracker."""
+
+    client: Any  # ResourceGraphClient (imported only when configured)
+    subscriptions: Sequence[str]
+    management_groups: Sequence[str]
+    interval: float
+    committer: FleetCommitter
+    metrics: FleetMetrics
+
+    def run(self, stop: threading.Event) -> None:
+        from forewarn.fleet.resourcegraph import ResourceGraphError, Stopped
+
+        state = StateLog(log, "Resource Graph")
+        unreadable: set[str] = set()
+        while not stop.is_set():
+            started = time.time()
+            try:
+                if self.subscriptions:
+                    snapshot = self.client.snapshot(subscriptions=list(self.subscriptions))
+                else:
+                    snapshot = self.client.snapshot(management_groups=list(self.management_groups))
+            except Stopped:
+                return
+            except ResourceGraphError as exc:
+                self.metrics.source_failed("resourcegraph")
+                state.failing(str(exc.status or "error"), f"{exc}; keeping the last known events")
+                stop.wait(self.interval)
+                continue
+            events: list[FleetEvent] = []
+            for row in snapshot.rows:
+                try:
+                    events.append(parse_resource_graph_row(row))
+                except FeedError as exc:
+                    reason = str(exc)[:200]
+                    if reason not in unreadable and len(unreadable) < 1000:
+                        unreadable.add(reason)
+                        log.warning("Resource Graph row skipped: %s", reason)
+            complete = not snapshot.warnings and len(events) == len(snapshot.rows)
+            for warning in snapshot.warnings:
+                log.warning("Resource Graph: %s (no event is ended from this snapshot)", warning)
+            try:
+                self.committer.snapshot(events, started, complete)
+            except Exception:
+                log.exception("cannot commit a Resource Graph snapshot; the next one tries again")
+                self.metrics.source_failed("resourcegraph")
+                stop.wait(self.interval)
+                continue
+            state.ok()
+            self.metrics.source_succeeded("resourcegraph", time.time())
+            self.metrics.reconciled(snapshot.seconds, snapshot.quota_remaining)
+            stop.wait(self.interval)
+
+
+@dataclass
+class QueueReader:
+    """Event Grid deliveries from a Storage queue: committed first, deleted after."""
+
+    source: Any  # QueueSource (imported only when configured)
+    committer: FleetCommitter
+    metrics: FleetMetrics
+
+    def run(self, stop: threading.Event) -> None:
+        counted = {"received": 0, "deleted": 0, "poisoned": 0, "unreadable": 0}
+        while not stop.is_set():
+            deliveries = self.source.poll(stop)
+            for delivery in deliveries:
+                if stop.is_set():
+                    break  # not deleted: the message comes back to whoever runs next
+                now = time.time()
+                try:
+                    self.committer.news(delivery.events)
+                except Exception:
+                    log.exception("cannot commit queue message %s; it stays in the queue", delivery.message_id)
+                    continue
+                self.source.delete(delivery)
+                times = [e.event_time.timestamp() for e in delivery.events if e.event_time is not None]
+                if times:
+                    self.metrics.feed_lag.set(max(0.0, now - max(times)))
+            stats = self.source.stats
+            for result, total in (("received", stats.received), ("deleted", stats.deleted),
+                                  ("poisoned", stats.poisoned), ("unreadable", stats.parse_failures)):
+                if total > counted[result]:
+                    self.metrics.queue_messages.labels(result).inc(total - counted[result])
+                    counted[result] = total
+            if stats.state == "ok" and stats.last_success is not None:
+                self.metrics.source_succeeded("queue", stats.last_success)
+            elif stats.state == "unavailable":
+                self.metrics.source_failed("queue")
+
+
+def run_fleet(settings: FleetSettings) -> int:
+    """`forewarn fleet`: build everything, run the sources until SIGTERM/SIGINT, return the exit code."""
+    if not (settings.subscription or settings.management_group or settings.queue_url):
+        raise ConfigError("forewarn fleet needs a source: --subscription or --management-group (Resource "
+                          "Graph), and/or --queue-url (Event Grid through a Storage queue)")
+    if settings.subscription and settings.management_group:
+        raise ConfigError("--subscription and --management-group: give one scope or the other")
+    stop = threading.Event()
+    handle_signals(stop)
+    log.info("forewarn %s fleet starting with %s", __version__, json.dumps(
+        {k: v for k, v in settings.redacted(FLEET_OPTIONS).items() if k in {o.dest for o in FLEET_OPTIONS}},
+        sort_keys=True))
+    sources = (["resourcegraph"] if settings.subscription or settings.management_group else []) + \
+        (["queue"] if settings.queue_url else [])
+    metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version)
+    sinks = build_sinks(settings.sink, settings)
+    host, port = parse_listen_address(settings.listen_address)
+    gate = None
+    if settings.web_config_file:
+        from forewarn.web.config import WebGate
+
+        gate = WebGate(settings.web_config_file)
+    try:
+        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout, gate=gate,
+                            max_connections=settings.web_max_connections,
+                            max_request_bytes=settings.web_max_request_bytes)
+    except OSError as exc:
+        raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
+            from None
+    add_metrics_endpoints(server, metrics.render, readiness_check(metrics.last_success, settings.ready_window))
+    state_dir = Path(settings.state_dir) if settings.state_dir else None
+    outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
+                    FleetOutboxMetrics(metrics))
+    workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]
+    for sink in sinks:
+        metrics.add_sink(sink.name)
+    committer = FleetCommitter(outbox, metrics)
+    runners: list[tuple[str, Callable[[threading.Event], None]]] = []
+    closers: list[Callable[[], None]] = []
+    if "resourcegraph" in sources:
+        client = build_resource_graph(settings, stop)
+        closers.append(client.close)
+        runners.append(("resourcegraph", ResourceGraphSource(client, settings.subscription, settings.management_group,
+                                                             settings.reconcile_interval, committer, metrics).run))
+    if "queue" in sources:
+        queue = build_queue(settings)
+        closers.append(queue.close)
+        runners.append(("queue", QueueReader(queue, committer, metrics).run))
+
+    server.start()
+    for worker in workers:
+        worker.start()
+    threads = [threading.Thread(target=runner, args=(stop,), name=f"source-{name}", daemon=True)
+               for name, runner in runners]
+    for thread in threads:
+        thread.start()
+    log.info("forewarn %s fleet: sources %s; metrics on %s/metrics; sinks: %s", __version__, ", ".join(sources),
+             server.url, ", ".join(s.name for s in sinks) or "none (metrics only)")
+    try:
+        stop.wait()
+    finally:
+        stop.set()
+        deadline = time.monotonic() + SOURCE_STOP_WAIT
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for name in stop_workers(workers, settings.drain_timeout):
+            log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
+                        "and are delivered after the next start", name, settings.drain_timeout)
+        for name in close_sinks(sinks):
+            log.warning("sink %s did not close within 1 s; leaving it", name)
+        for close in closers:
+            try:
+                close()
+            except Exception:  # a source that fails to close must not keep the rest open
+                log.exception("closing a source failed")
+        outbox.close()
+        server.stop()
+        log.info("stopped")
+        ignore_stop_signals()
+    return 0
+
+
+def build_resource_graph(settings: FleetSettings, stop: threading.Event) -> Any:
+    """The Resource Graph client, with azure-identity's credential (imported only when configured)."""
+    try:
+        from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+    except ImportError as exc:
+        raise ConfigError(f"--subscription/--management-group need azure-identity: pip install "
+                          f"'forewarn[fleet]' ({exc})") from None
+    from forewarn.fleet.resourcegraph import ResourceGraphClient
+
+    credential = ManagedIdentityCredential(client_id=settings.arm_client_id) if settings.arm_client_id \
+        else DefaultAzureCredential(exclude_interactive_browser_credential=True)
+    try:
+        return ResourceGraphClient(settings.arm_endpoint, credential, api_version=settings.resource_graph_api_version,
+                                   timeout=settings.arm_timeout, max_reply_bytes=settings.arm_max_reply_bytes,
+                                   stop=stop)
+    except ValueError as exc:
+        raise ConfigError(f"--arm-endpoint {redact_url(settings.arm_endpoint)}: {exc}") from None
+
+
+def build_queue(settings: FleetSettings) -> Any:
+    """The Storage queue source: the connection string when one is set, else azure-identity."""
+    try:
+        from forewarn.fleet.queue import QueueOptions, QueueSource
+    except ImportError as exc:
+        raise ConfigError(f"--queue-url needs azure-storage-queue: pip install 'forewarn[fleet]' ({exc})") from None
+    assert settings.queue_url is not None
+    options = QueueOptions(visibility_timeout=round(settings.queue_visibility_timeout))
+    if settings.queue_connection_string:
+        name = settings.queue_url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        return QueueSource.from_connection_string(settings.queue_connection_string, name, options)
+    return QueueSource.from_queue_url(settings.queue_url, client_id=settings.queue_client_id, options=options)

@@ -1,0 +1,202 @@
+"""`forewarn fleet` end to end, as deployed: its own process, Resource Graph through the strict TLS stand-in with
+the real azure-identity ManagedIdentityCredential (token from the stand-in's IMDS endpoint), Event Grid deliveries
+through a Storage queue in Azurite with the real azure-storage-queue client, records to a file sink.
+
+Events for three subscriptions arrive by queue and by snapshot, out of order and repeated: one record per
+change per VM, schema-valid, and the metrics say so; a SIGKILL at any moment loses no queue message and, after
+the restart, reports no change under a second id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import requests
+
+from fleet_samples import as_base64, cloud_event, event_grid_event, properties, target_id
+from test_fleet_queue import Azurite, count, require_azurite
+
+from conftest import free_port, wait_until
+from peers.arm import ArmPeer
+from peers.pki import Authority
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+SCHEMA = json.loads((ROOT / "src/forewarn/schemas/record.schema.json").read_text())
+SUBS = [str(uuid.UUID(int=n + 1)) for n in range(3)]
+CLIENT_ID = "00000000-0000-0000-0000-00000000c11d"
+
+
+def eid(n: int) -> str:
+    return str(uuid.UUID(int=50_000 + n))
+
+
+def row(sub: str, n: int, status: str = "Scheduled") -> dict[str, Any]:
+    target = target_id("vm", f"vm-{n}", sub=sub, rg="rg-a")
+    props = properties(event_id=eid(n), status=status, resources=(f"vm-{n}",))
+    return {"id": f"{target}/providers/Microsoft.Maintenance/scheduledevents/{eid(n)}", "name": eid(n),
+            "subscriptionId": sub, "resourceGroup": "rg-a", "location": "westeurope", "properties": props}
+
+
+def grid(sub: str, n: int, status: str, delivery: str, cloud: bool = False) -> dict[str, Any]:
+    target = target_id("vm", f"vm-{n}", sub=sub, rg="rg-a")
+    props = properties(event_id=eid(n), status=status, resources=(f"vm-{n}",))
+    return (cloud_event if cloud else event_grid_event)(props, target, delivery)
+
+
+@pytest.fixture(scope="module")
+def authority() -> Authority:
+    return Authority("fleet-test-ca")
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    peer = Azurite(require_azurite(), tmp_path_factory.mktemp("azurite"))
+    yield peer
+    peer.stop()
+
+
+class Fleet:
+    """`forewarn fleet` as a process, restartable on the same state dir and port."""
+
+    def __init__(self, tmp_path: Path, arm: ArmPeer, authority: Authority, azurite: Azurite, queue: str,
+                 resource_graph: bool = True) -> None:
+        bundle = tmp_path / "ca.pem"
+        bundle.write_bytes(authority.pem)
+        self.records_file = tmp_path / "records.jsonl"
+        self.port = free_port()
+        self.log = tmp_path / "fleet.log"
+        self.argv = [str(Path(sys.executable).parent / "forewarn"), "fleet",
+                     *[arg for sub in (SUBS if resource_graph else []) for arg in ("--subscription", sub)],
+                     "--arm-endpoint", arm.base, "--arm-client-id", CLIENT_ID, "--arm-timeout", "5",
+                     "--reconcile-interval", "1", "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/"
+                     f"{queue}", "--queue-visibility-timeout", "2", "--sink", f"file:{self.records_file}",
+                     "--state-dir", str(tmp_path / "state"), "--listen-address", f"127.0.0.1:{self.port}",
+                     "--drain-timeout", "2"]
+        self.env = {**os.environ, "REQUESTS_CA_BUNDLE": str(bundle), "AZURE_POD_IDENTITY_AUTHORITY_HOST": arm.base,
+                    "FOREWARN_QUEUE_CONNECTION_STRING": azurite.connection_string}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Fleet:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+        wait_until(lambda: self.metrics() is not None, timeout=30, message="forewarn fleet to serve /metrics")
+        return self
+
+    def metrics(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"forewarn fleet exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+        try:
+            return requests.get(f"http://127.0.0.1:{self.port}/metrics", timeout=2).text
+        except requests.RequestException:
+            return None
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.records_file.exists():
+            return []
+        return [json.loads(line) for line in self.records_file.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(10)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def changes(records: list[dict[str, Any]]) -> Counter[tuple[str, str, str]]:
+    """(VM, EventId, change) -> how many distinct record ids say it (1 means: reported once)."""
+    ids: dict[tuple[str, str, str], set[str]] = {}
+    for record in records:
+        ids.setdefault((record["data"]["vm"]["name"], record["subject"], record["data"]["change"]), set()).add(
+            record["id"])
+    return Counter({key: len(found) for key, found in ids.items()})
+
+
+def test_queue_and_snapshot_news_out_of_order_and_repeated_give_one_record_per_change(
+        tmp_path: Path, authority: Authority, azurite: Azurite) -> None:
+    # Resource Graph lists the three open events; the queue brings vm-0's again, vm-2's twice (Event Grid's
+    # repeat) and later its end, vm-1's start, and a late Scheduled of vm-1; vm-1's Scheduled came by no queue
+    # message (a message lost on the way): the snapshot brings it.
+    arm = ArmPeer(authority, rows=[row(SUBS[0], 0), row(SUBS[1], 1), row(SUBS[2], 2)])
+    queue = azurite.queue()
+    for message in (
+        grid(SUBS[0], 0, "Scheduled", "d-0"),                     # what the snapshot also says
+        grid(SUBS[2], 2, "Scheduled", "d-2"),
+        grid(SUBS[2], 2, "Scheduled", "d-2"),                     # Event Grid's repeat
+        grid(SUBS[1], 1, "Started", "d-1s", cloud=True),          # CloudEvents schema
+    ):
+        queue.send_message(json.dumps(message))
+    queue.send_message(as_base64([grid(SUBS[1], 1, "Scheduled", "d-1")]))  # late, and base64: changes nothing
+    fleet = Fleet(tmp_path, arm, authority, azurite, queue.queue_name).start()
+    try:
+        wait_until(lambda: count(queue) == 0 and len(fleet.records()) >= 4, timeout=60,
+                   message="every message read and deleted, and the records written")
+        queue.send_message(json.dumps(grid(SUBS[2], 2, "Completed", "d-2c")))
+        wait_until(lambda: any(r["data"]["change"] == "removed" for r in fleet.records()), timeout=30,
+                   message="the Completed event's record")
+        text = fleet.metrics() or ""
+        records = fleet.records()
+    finally:
+        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+        arm.stop()
+    for record in records:
+        jsonschema.validate(record, SCHEMA)
+    assert changes(records) == {
+        ("vm-0", eid(0), "added"): 1,
+        ("vm-1", eid(1), "added"): 1,       # from the queue (Started) or the snapshot (Scheduled), whichever first
+        ("vm-2", eid(2), "added"): 1,
+        ("vm-2", eid(2), "removed"): 1,
+    } or changes(records) == {
+        ("vm-0", eid(0), "added"): 1, ("vm-1", eid(1), "added"): 1, ("vm-1", eid(1), "updated"): 1,
+        ("vm-2", eid(2), "added"): 1, ("vm-2", eid(2), "removed"): 1,
+    }, changes(records)
+    removed = next(r for r in records if r["data"]["change"] == "removed")
+    assert (removed["data"]["outcome"], removed["data"]["ended_by"]) == ("completed", "status")
+    assert removed["source"].endswith("/resourceGroups/rg-a/providers/Microsoft.Compute/virtualMachines/vm-2")
+    # the metrics: the open events per VM with their scope, the sources up, the queue's counts
+    assert f'event_id="{eid(0)}"' in text and 'vm="vm-0"' in text and f'subscription_id="{SUBS[0]}"' in text
+    assert f'event_id="{eid(2)}"' not in text.split("# HELP azure_scheduled_event_not_before")[0], "ended: gone"
+    assert 'azure_scheduled_events_source_up{source="resourcegraph"} 1.0' in text
+    assert 'azure_scheduled_events_source_up{source="queue"} 1.0' in text
+    assert 'azure_scheduled_events_queue_messages_total{result="deleted"} 6.0' in text
+    # every snapshot asked for the three subscriptions, with the token of the managed identity
+    assert arm.received.tokens_issued >= 1 and not arm.received.errors, arm.received.errors
+    assert all(sorted(query["subscriptions"]) == sorted(SUBS) for query in arm.received.queries)
+
+
+def test_a_sigkill_loses_no_message_and_a_restart_reports_nothing_under_a_second_id(
+        tmp_path: Path, authority: Authority, azurite: Azurite) -> None:
+    arm = ArmPeer(authority, rows=[])
+    queue = azurite.queue()
+    total = 30
+    for n in range(total):
+        queue.send_message(json.dumps(grid(SUBS[n % 3], 100 + n, "Scheduled", f"k-{n}")))
+    fleet = Fleet(tmp_path, arm, authority, azurite, queue.queue_name, resource_graph=False).start()
+    try:
+        wait_until(lambda: len(fleet.records()) >= 1, timeout=60, message="the first record")
+        fleet.kill()                                                   # mid-way: some committed, some not
+        fleet.start()
+        wait_until(lambda: count(queue) == 0 and len(changes(fleet.records())) == total, timeout=90,
+                   message="every message's change, after the restart")
+    finally:
+        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+        arm.stop()
+    reported = changes(fleet.records())
+    assert set(reported) == {(f"vm-{100 + n}", eid(100 + n), "added") for n in range(total)}
+    assert set(reported.values()) == {1}, "a record written twice (at least once) keeps its id"
