@@ -485,6 +485,12 @@ def _queue_url(text: str) -> str:
     return url
 
 
+def _route_path(text: str) -> str:
+    if not re.fullmatch(r"/[A-Za-z0-9._~/-]{1,200}", text) or text in ("/metrics", "/healthz", "/readyz"):
+        raise ValueError(f"{text!r}: a path of the web server such as /eventgrid (not /metrics, /healthz, /readyz)")
+    return text
+
+
 FLEET_ONLY: tuple[Option, ...] = (
     Option("subscription", "a subscription whose scheduled events Resource Graph lists (repeatable)", [],
            _subscription_id, repeatable=True, metavar="ID"),
@@ -510,6 +516,19 @@ FLEET_ONLY: tuple[Option, ...] = (
     Option("queue-client-id", "client id of a user-assigned managed identity for the queue", None, metavar="ID"),
     Option("queue-visibility-timeout", "how long a received message stays hidden while its change is committed",
            60.0, Number(1, 3600, unit=SECONDS), metavar="SECONDS"),
+    Option("eventgrid-path", "serve Event Grid push deliveries on this path of the web server (e.g. /eventgrid; "
+           "HTTPS with --web.config.file); off when unset", None, _route_path, metavar="PATH"),
+    Option("eventgrid-secret", "the shared secret Event Grid's webhook URL carries; from the environment or the "
+           "config file only, never a flag", None, secret=True, metavar="SECRET"),
+    Option("eventgrid-secret-file", "file holding the Event Grid shared secret", None, metavar="PATH"),
+    Option("lease-name", "the coordination.k8s.io Lease that makes one replica the active one; unset: this "
+           "instance is the only one and always active", None, _node_name, metavar="NAME"),
+    Option("lease-namespace", "namespace of the Lease (default: the pod's own, from its service account)", None,
+           _node_name, metavar="NAMESPACE"),
+    Option("lease-seconds", "how long a Lease holder that stopped renewing keeps it: the longest takeover", 15.0,
+           Number(2, 300, unit=SECONDS), metavar="SECONDS"),
+    Option("kubeconfig", "kubeconfig file for the Lease (default: the in-cluster service account, else "
+           "KUBECONFIG or ~/.kube/config)", None, metavar="PATH"),
 )
 FLEET_OPTIONS = FLEET_SHARED + FLEET_ONLY
 
@@ -531,6 +550,12 @@ class FleetSettings(Settings):
     queue_connection_string_file: str | None = None
     queue_client_id: str | None = None
     queue_visibility_timeout: float = 60.0
+    eventgrid_path: str | None = None
+    eventgrid_secret: str | None = None
+    eventgrid_secret_file: str | None = None
+    lease_name: str | None = None
+    lease_namespace: str | None = None
+    lease_seconds: float = 15.0
 
 
 def safe_url(url: str) -> str:
@@ -633,7 +658,7 @@ def _fresh(default: Any) -> Any:
 
 #: Secrets that may come from a file named by the option `<name>-file`.
 SECRET_FILES = ("eventhubs_connection_string", "webhook_url", "slack_webhook_url", "teams_webhook_url",
-                "template_url", "queue_connection_string")
+                "template_url", "queue_connection_string", "eventgrid_secret")
 
 
 def resolve(args: argparse.Namespace, options: Sequence[Option] = RUN_OPTIONS,
