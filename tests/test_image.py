@@ -237,16 +237,30 @@ def test_the_image_holds_no_build_tools_caches_tests_or_build_secrets(full: Imag
     assert "PIP_CERT" not in history and "pip-ca" not in history  # the build secret stayed in the build stage
 
 
+SLIM_MODULES = ("lightkube", "jinja2", "cloudevents", "bcrypt", "azure.eventhub", "azure.identity",
+                "azure.storage.queue", "opentelemetry.sdk", "grpc")
+#: Which of {modules} the image's python can import (a missing parent package counts as missing).
+FIND_MODULES = """
+import importlib.util, json
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+print(json.dumps({{name: found(name) for name in {modules!r}}}))
+"""
+
+
 def test_the_slim_image_has_the_light_sinks_only_and_says_what_is_missing(full: Image, slim: Image,
                                                                           tmp_path: Path) -> None:
     assert slim.run("--version").stdout.strip() == f"forewarn {__version__}"
     assert slim.config["Labels"]["io.forewarn.extras"] == "slim"
-    present = slim.python("import importlib.util as u, json; print(json.dumps({m: u.find_spec(m) is not None "
-                          "for m in ('lightkube', 'jinja2', 'cloudevents', 'bcrypt', 'azure.eventhub', "
-                          "'azure.identity', 'opentelemetry.sdk', 'grpc')}))").stdout
+    present = slim.python(FIND_MODULES.format(modules=SLIM_MODULES)).stdout
     assert json.loads(present) == {"lightkube": True, "jinja2": True, "cloudevents": True, "bcrypt": True,
-                                   "azure.eventhub": False, "azure.identity": False, "opentelemetry.sdk": False,
-                                   "grpc": False}
+                                   "azure.eventhub": False, "azure.identity": False, "azure.storage.queue": False,
+                                   "opentelemetry.sdk": False, "grpc": False}
+    assert json.loads(full.python(FIND_MODULES.format(modules=SLIM_MODULES)).stdout) == \
+        dict.fromkeys(SLIM_MODULES, True)  # the full image has them all, fleet mode's included
     refused = slim.run("run", "--simulate", "--sink", "otlp", "--otlp-endpoint", "http://127.0.0.1:4318",
                        state=state_dir(tmp_path), check=False, timeout=60)
     assert refused.returncode == 2 and "forewarn[otlp]" in refused.stderr, refused.stderr
