@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
 from lightkube import ALL_NS, ApiError, operators
@@ -32,7 +31,7 @@ from lightkube.resources.core_v1 import Pod, PodEviction
 from forewarn.approval.policy import LabelRequirement, NodeAction
 from forewarn.imds.document import Event
 from forewarn.node.actions import ledger_of, rfc3339
-from forewarn.node.kube import KubeError, Stopped, explain
+from forewarn.node.kube import KubeError, Stopped, explain, lease_expired
 
 if TYPE_CHECKING:
     from forewarn.node.actions import KubeNodeActor
@@ -130,7 +129,7 @@ class _Slot:
             holder = spec.get("holderIdentity")
             if holder == node:
                 return self._took(name, now, renew=False)
-            if holder and not _expired(spec, now):
+            if holder and not lease_expired(spec, now, LEASE_SECONDS):
                 holders.append(str(holder))
                 continue
             try:
@@ -176,19 +175,6 @@ class _Slot:
     def release(self) -> None:
         self._update(None)
         self.name = None
-
-
-def _expired(spec: dict[str, Any], now: float) -> bool:
-    renewed = spec.get("renewTime") or spec.get("acquireTime")
-    if not renewed:
-        return True
-    try:
-        moment = datetime.fromisoformat(str(renewed).replace("Z", "+00:00"))
-    except ValueError:
-        return True
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp() + float(spec.get("leaseDurationSeconds") or LEASE_SECONDS) < now
 
 
 def label_pairs(selector: Sequence[LabelRequirement]) -> list[tuple[str, operators.Operator[Any]]]:

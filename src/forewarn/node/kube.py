@@ -7,6 +7,7 @@ Importing this module imports lightkube; only `forewarn.node` does, and only whe
 from __future__ import annotations
 
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,20 @@ def _at(exc: httpx2.HTTPError) -> str:
         return ""
     host = f"[{url.host}]" if ":" in url.host else url.host  # never the userinfo: it may hold a password
     return f" at {url.scheme}://{host}" + (f":{url.port}" if url.port else "")
+
+
+def lease_expired(spec: dict[str, Any], now: float, default_seconds: float) -> bool:
+    """Whether a coordination.k8s.io/v1 Lease with this `spec` is free to take at `now` (epoch seconds): its
+    holder last renewed (or acquired) it more than leaseDurationSeconds (`default_seconds` when unset) ago, or
+    never, or wrote a time that does not parse. Compares the holder's clock with ours: clocks are assumed to
+    be in sync (NTP), as with the drain slots and the fleet lease."""
+    renewed = spec.get("renewTime") or spec.get("acquireTime")
+    if not renewed:
+        return True
+    try:
+        moment = datetime.fromisoformat(str(renewed).replace("Z", "+00:00"))
+    except ValueError:
+        return True
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp() + float(spec.get("leaseDurationSeconds") or default_seconds) < now
