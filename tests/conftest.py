@@ -165,7 +165,8 @@ class CollectorProcess:
         self.args = [sys.executable, "-m", "forewarn", "run", "--imds-endpoint", endpoint,
                      "--listen-address", f"127.0.0.1:{self.port}", "--state-dir", str(state_dir),
                      "--sink", f"file:{self.records_path}", "--poll-interval", str(poll_interval), *extra]
-        self.env = {**os.environ, **(env or {})}
+        # A crash in native code (exit -11) leaves the Python stacks of every thread in the log.
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
