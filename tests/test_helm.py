@@ -370,7 +370,8 @@ def test_secrets_are_only_referenced_by_name() -> None:
             if SECRETISH.search(path.rsplit(".", 1)[-1]) and not path.endswith((".key", "annotations"))]
     assert [path for path, _ in refs] == ["imagePullSecrets", "web.tls.secretName", "web.basicAuth.configSecret",
                                           "web.basicAuth.scrapeSecretName", "sinks.eventhubs.connectionStringSecret",
-                                          "sinks.otlp.headersSecret"]
+                                          "sinks.otlp.headersSecret", "fleet.queue.connectionStringSecret",
+                                          "fleet.eventgrid.sharedSecret"]
     assert refs[0][1]["items"]["type"] == "string"      # Secret names
     for _, node in refs[1:]:   # an existing Secret's name, or {name, key} of one; nothing else accepted
         if node["type"] == "string":

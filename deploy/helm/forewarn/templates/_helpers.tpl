@@ -16,7 +16,15 @@ job="forewarn", which the alert rules select on.
 {{- define "forewarn.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/component: agent
+app.kubernetes.io/component: {{ include "forewarn.component" . }}
+{{- end -}}
+
+{{/*
+"agent" (mode: agent, the per-VM DaemonSet) or "fleet" (mode: fleet, the central Deployment): the component
+label, so the Service, ServiceMonitor and NetworkPolicy select the pods of the mode in use.
+*/}}
+{{- define "forewarn.component" -}}
+{{- if eq .Values.mode "fleet" }}fleet{{ else }}agent{{ end -}}
 {{- end -}}
 
 {{- define "forewarn.labels" -}}
@@ -99,5 +107,47 @@ user's whole file) or "" (none: plain HTTP). Stops with a message when the value
 secret
 {{- else if $web.tls.enabled -}}
 chart
+{{- end -}}
+{{- end -}}
+
+{{/*
+mode: fleet. The Lease's name (FOREWARN_LEASE_NAME, and the one name the Role may get and update).
+*/}}
+{{- define "forewarn.leaseName" -}}
+{{- default (include "forewarn.fullname" .) .Values.fleet.leaseName -}}
+{{- end -}}
+
+{{/*
+mode: fleet. Checks what the schema cannot (values that depend on the mode or on each other) and stops with a
+message naming the values, as `forewarn fleet` would at start.
+*/}}
+{{- define "forewarn.fleetChecks" -}}
+{{- $fleet := .Values.fleet -}}
+{{- if .Values.hostNetwork -}}
+{{- fail "hostNetwork is for mode: agent (IMDS through the node); forewarn fleet reads no IMDS" -}}
+{{- end -}}
+{{- if .Values.nodeActions.enabled -}}
+{{- fail "nodeActions.enabled is for mode: agent; mode: fleet has no node actions yet" -}}
+{{- end -}}
+{{- if .Values.dryRun -}}
+{{- fail "dryRun is for mode: agent; mode: fleet approves nothing yet" -}}
+{{- end -}}
+{{- if not $fleet.clientId -}}
+{{- fail "mode: fleet needs fleet.clientId (the client id of the managed identity federated with the service account, for Workload Identity)" -}}
+{{- end -}}
+{{- if not (or $fleet.subscriptions $fleet.managementGroups $fleet.queue.url) -}}
+{{- fail "mode: fleet needs a source: fleet.subscriptions or fleet.managementGroups (Resource Graph), and/or fleet.queue.url (Event Grid through a Storage queue)" -}}
+{{- end -}}
+{{- if and $fleet.subscriptions $fleet.managementGroups -}}
+{{- fail "fleet.subscriptions and fleet.managementGroups: give one scope or the other" -}}
+{{- end -}}
+{{- if and $fleet.queue.connectionStringSecret.name (not $fleet.queue.url) -}}
+{{- fail "fleet.queue.connectionStringSecret needs fleet.queue.url (the queue's name is its last segment)" -}}
+{{- end -}}
+{{- if and $fleet.eventgrid.path (not $fleet.eventgrid.sharedSecret.name) -}}
+{{- fail "fleet.eventgrid.path needs fleet.eventgrid.sharedSecret.name (an existing Secret with the shared secret of the webhook URL)" -}}
+{{- end -}}
+{{- if and $fleet.eventgrid.sharedSecret.name (not $fleet.eventgrid.path) -}}
+{{- fail "fleet.eventgrid.sharedSecret needs fleet.eventgrid.path (the push route is off without it)" -}}
 {{- end -}}
 {{- end -}}
