@@ -127,6 +127,17 @@ def test_a_released_lease_is_taken_at_once(api: KubeApi, elector: Make) -> None:
     assert the_lease(api)["spec"]["holderIdentity"] == "b"
 
 
+def test_a_stale_holder_releasing_never_clears_its_successors_lease(api: KubeApi, elector: Make) -> None:
+    clock = Clock()
+    a, b = elector("a", clock), elector("b", clock)
+    assert a.step()
+    clock.now += 5     # a was paused past its lease; b took over
+    assert b.step()
+    assert not a.release()  # a's write carries the resourceVersion of its last renew: 409
+    assert [r.status for r in api.requests if r.method == "PUT"][-1] == 409
+    assert the_lease(api)["spec"]["holderIdentity"] == "b" and b.step()
+
+
 def test_a_lost_update_race_leaves_the_loser_standby(api: KubeApi, elector: Make,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()

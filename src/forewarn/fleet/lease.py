@@ -70,6 +70,7 @@ class LeaseElector:
         self.clock = clock
         self._until = 0.0            # we are the leader while clock() < this (0: not leader)
         self._holder: str | None = None
+        self._written: dict[str, Any] | None = None  # the Lease as our last write left it (for the release)
         self._said: str | None = None  # the last role logged, to log each change once
         self._api = StateLog(log, f"lease {namespace}/{name}")
 
@@ -136,7 +137,7 @@ class LeaseElector:
         body = self._body(None, {"holderIdentity": self.identity, "acquireTime": rfc3339(now, micro=True),
                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": 0})
         try:
-            self.client.create(body, namespace=self.namespace)
+            written = self.client.create(body, namespace=self.namespace)
         except ApiError as exc:
             if exc.status.code == 409:
                 return False
@@ -144,6 +145,7 @@ class LeaseElector:
         except Exception as exc:
             raise explain(exc, f"create lease {self.namespace}/{self.name}") from None
         self._holder = self.identity
+        self._written = cast(dict[str, Any], written.to_dict())
         return True
 
     def _write(self, lease: dict[str, Any], now: float) -> bool:
@@ -155,7 +157,7 @@ class LeaseElector:
         body = self._body(lease, {"holderIdentity": self.identity, "acquireTime": acquired,
                                   "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions})
         try:
-            self.client.replace(body)
+            written = self.client.replace(body)
         except ApiError as exc:
             if exc.status.code in (404, 409):  # written or deleted since we read it: not ours this round
                 self._holder = self._current_holder()
@@ -164,6 +166,7 @@ class LeaseElector:
         except Exception as exc:
             raise explain(exc, f"update lease {self.namespace}/{self.name}") from None
         self._holder = self.identity
+        self._written = cast(dict[str, Any], written.to_dict())
         return True
 
     def _current_holder(self) -> str | None:
@@ -209,16 +212,24 @@ class LeaseElector:
     # --- release and the loop --------------------------------------------------------------------------
     def release(self) -> bool:
         """Clear holderIdentity when we hold the Lease, so a standby takes over at its next round instead of
-        after the lease time. Best effort (bounded by the client's timeout); returns whether it was done."""
+        after the lease time. One write, conditional on the resourceVersion of our last one: if anyone wrote
+        the Lease since, it is not ours to clear (409). Best effort, bounded by the client's timeout; returns
+        whether it was done."""
         self._until = 0.0
-        if self._holder != self.identity:
+        written, self._written = self._written, None
+        if written is None or self._holder != self.identity:
             return False
+        spec = written.get("spec") or {}
         try:
-            lease = self._get()
-            spec = (lease or {}).get("spec") or {}
-            if lease is None or spec.get("holderIdentity") != self.identity:
+            self.client.replace(self._body(written, {"leaseTransitions": int(spec.get("leaseTransitions") or 0)}))
+        except ApiError as exc:
+            if exc.status.code in (404, 409):  # written (taken over) or deleted since: not ours to clear
+                log.info("lease %s/%s changed since %s last held it; nothing to release", self.namespace,
+                         self.name, self.identity)
                 return False
-            self.client.replace(self._body(lease, {"leaseTransitions": int(spec.get("leaseTransitions") or 0)}))
+            reason = explain(exc, f"release lease {self.namespace}/{self.name}")
+            log.warning("%s; a standby takes over when the lease expires (%d s)", reason, self.lease_seconds)
+            return False
         except Exception as exc:
             reason = explain(exc, f"release lease {self.namespace}/{self.name}")
             log.warning("%s; a standby takes over when the lease expires (%d s)", reason, self.lease_seconds)
@@ -237,6 +248,8 @@ class LeaseElector:
         try:
             while not stop.is_set():
                 leader = self.step()
+                if stop.is_set():  # became the leader just as we stop: start nothing, release below
+                    break
                 if leader != active:
                     active = leader
                     (on_start if leader else on_stop)()
