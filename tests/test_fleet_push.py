@@ -330,7 +330,7 @@ def test_the_secret_never_reaches_the_log(serve: Callable[..., Push], caplog: py
     requests.get(push_.server.url + f"/elsewhere?code={SECRET}", timeout=5)  # 404 from the server
     ours = [r for r in caplog.records if r.name.startswith("forewarn")]
     text = "\n".join(r.getMessage() + (caplog.handler.format(r) if r.exc_info else "") for r in ours)
-    assert "POST /eventgrid?<redacted>" in text  # the server's request lines are there, without the query
+    assert '"POST /eventgrid HTTP/1.1"' in text  # the server's request lines are there, without the query
     assert SECRET not in text and wrong not in text
     assert push_.committer.results == ["failed", "accepted", "validated", "invalid", "unauthorized",
                                        "unauthorized", "invalid"]

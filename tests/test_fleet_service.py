@@ -70,22 +70,26 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
 class Fleet:
     """`forewarn fleet` as a process, restartable on the same state dir and port."""
 
-    def __init__(self, tmp_path: Path, arm: ArmPeer, authority: Authority, azurite: Azurite, queue: str,
-                 resource_graph: bool = True) -> None:
+    def __init__(self, tmp_path: Path, arm: ArmPeer | None, authority: Authority, azurite: Azurite | None,
+                 queue: str | None, resource_graph: bool = True, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         bundle = tmp_path / "ca.pem"
         bundle.write_bytes(authority.pem)
         self.records_file = tmp_path / "records.jsonl"
         self.port = free_port()
         self.log = tmp_path / "fleet.log"
-        self.argv = [str(Path(sys.executable).parent / "forewarn"), "fleet",
-                     *[arg for sub in (SUBS if resource_graph else []) for arg in ("--subscription", sub)],
-                     "--arm-endpoint", arm.base, "--arm-client-id", CLIENT_ID, "--arm-timeout", "5",
-                     "--reconcile-interval", "1", "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/"
-                     f"{queue}", "--queue-visibility-timeout", "2", "--sink", f"file:{self.records_file}",
+        self.argv = [str(Path(sys.executable).parent / "forewarn"), "fleet", "--sink", f"file:{self.records_file}",
                      "--state-dir", str(tmp_path / "state"), "--listen-address", f"127.0.0.1:{self.port}",
-                     "--drain-timeout", "2"]
-        self.env = {**os.environ, "REQUESTS_CA_BUNDLE": str(bundle), "AZURE_POD_IDENTITY_AUTHORITY_HOST": arm.base,
-                    "FOREWARN_QUEUE_CONNECTION_STRING": azurite.connection_string}
+                     "--drain-timeout", "2", *extra]
+        self.env = {**os.environ, "REQUESTS_CA_BUNDLE": str(bundle), **(env or {})}
+        if arm is not None and resource_graph:
+            self.argv += [*[arg for sub in SUBS for arg in ("--subscription", sub)], "--arm-endpoint", arm.base,
+                          "--arm-client-id", CLIENT_ID, "--arm-timeout", "5", "--reconcile-interval", "1"]
+            self.env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = arm.base
+        if azurite is not None and queue is not None:
+            self.argv += ["--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue}",
+                          "--queue-visibility-timeout", "2"]
+            self.env["FOREWARN_QUEUE_CONNECTION_STRING"] = azurite.connection_string
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Fleet:
@@ -200,3 +204,36 @@ def test_a_sigkill_loses_no_message_and_a_restart_reports_nothing_under_a_second
     reported = changes(fleet.records())
     assert set(reported) == {(f"vm-{100 + n}", eid(100 + n), "added") for n in range(total)}
     assert set(reported.values()) == {1}, "a record written twice (at least once) keeps its id"
+
+
+PUSH_SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_event_grid_push_is_committed_before_it_is_answered_and_strangers_are_refused(
+        tmp_path: Path, authority: Authority) -> None:
+    fleet = Fleet(tmp_path, None, authority, None, None, extra=("--eventgrid-path", "/eventgrid"),
+                  env={"FOREWARN_EVENTGRID_SECRET": PUSH_SECRET}).start()
+    url = f"http://127.0.0.1:{fleet.port}/eventgrid"
+    try:
+        handshake = [{"id": "v-1", "topic": "/subscriptions/x", "subject": "", "eventTime": "2026-11-24T10:00:00Z",
+                      "eventType": "Microsoft.EventGrid.SubscriptionValidationEvent", "dataVersion": "1",
+                      "data": {"validationCode": "512d38b6-c7b8-40c8-89fe-f46f9e9622b6"}}]
+        answer = requests.post(url, params={"code": PUSH_SECRET}, json=handshake, timeout=5)
+        assert answer.status_code == 200
+        assert answer.json() == {"validationResponse": "512d38b6-c7b8-40c8-89fe-f46f9e9622b6"}
+        stranger = requests.post(url, params={"code": "f" * 32}, json=[grid(SUBS[0], 7, "Scheduled", "p-0")],
+                                 timeout=5)
+        assert stranger.status_code == 401 and fleet.records() == []
+        pushed = requests.post(url, params={"code": PUSH_SECRET}, json=[grid(SUBS[0], 7, "Scheduled", "p-1")],
+                               timeout=5)
+        assert pushed.status_code == 200
+        wait_until(lambda: fleet.records(), timeout=10, message="the pushed event's record")
+        text = fleet.metrics() or ""
+    finally:
+        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+    (record,) = fleet.records()
+    assert record["subject"] == eid(7) and record["data"]["feed"] == "eventgrid"
+    assert 'azure_scheduled_events_eventgrid_push_requests_total{result="accepted"} 1.0' in text
+    assert 'azure_scheduled_events_eventgrid_push_requests_total{result="unauthorized"} 1.0' in text
+    assert 'azure_scheduled_events_source_up{source="eventgrid"} 1.0' in text
+    assert PUSH_SECRET not in fleet.log.read_text()

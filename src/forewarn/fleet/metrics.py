@@ -31,7 +31,8 @@ from forewarn.fleet.records import fleet_vm
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
 from forewarn.outbox.store import Backlog
 
-SOURCES = ("resourcegraph", "queue")
+SOURCES = ("resourcegraph", "queue", "eventgrid")
+PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
 OPEN_STATUSES = ("Scheduled", "Started")
 
 
@@ -86,8 +87,14 @@ class FleetMetrics:
         self.feed_lag = Gauge("azure_scheduled_events_feed_lag_seconds",
                               "From the Event Grid event's time to forewarn reading it, for the last one read.",
                               registry=r)
+        self.push_requests = Counter("azure_scheduled_events_eventgrid_push_requests_total",
+                                     "Event Grid push requests, by result: accepted (committed), validated (a "
+                                     "handshake), unauthorized, invalid, failed (not committed: retried).",
+                                     ["result"], registry=r)
         for name in SOURCES:
             self.source_errors.labels(name)
+        for result in PUSH_RESULTS:
+            self.push_requests.labels(result)
         for result in ("received", "deleted", "poisoned", "unreadable"):
             self.queue_messages.labels(result)
         r.register(_ViewCollector(self))

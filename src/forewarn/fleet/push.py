@@ -42,8 +42,7 @@ timeout), and the deliveries committing at once (`max_concurrent`; past it 503, 
 worker from the Prometheus scrape). The web server reads a request whole, body included, before any
 handler runs: a stranger's body is read (within those bounds) and then refused with 401 unparsed; refusing
 it from the head alone needs a check at the server's head stage. The secret is never logged: this module
-logs paths without their query, and it removes queries from the request lines the web server logs at debug
-level.
+logs paths without their query, and so does the web server's request log.
 """
 
 from __future__ import annotations
@@ -151,26 +150,6 @@ class _RefusalLog:
                     request.client[0] if request.client else "?", count)
 
 
-_QUERY_IN_LINE = re.compile(r"(\s/[^\s?#]*)\?[^\s\"]*")
-
-
-class _QueryRedactor(logging.Filter):
-    """Takes the query out of request lines the web server logs (`"POST /eventgrid?code=... HTTP/1.1"`
-    at debug level, from BaseHTTPRequestHandler), where the secret would otherwise be."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(isinstance(a, str) and "?" in a for a in record.args):
-            record.args = tuple(_QUERY_IN_LINE.sub(r"\1?<redacted>", a) if isinstance(a, str) else a
-                                for a in record.args)
-        return True
-
-
-def _redact_server_log() -> None:
-    server_log = logging.getLogger(HttpServer.__module__)
-    if not any(isinstance(f, _QueryRedactor) for f in server_log.filters):
-        server_log.addFilter(_QueryRedactor())
-
-
 def _json(status: int, value: Any) -> Response:
     return Response(status, (json.dumps(value) + "\n").encode(), "application/json", {"Cache-Control": "no-store"})
 
@@ -220,7 +199,6 @@ def add_eventgrid_route(server: HttpServer, path: str = DEFAULT_PATH, *, secret:
     committing = threading.BoundedSemaphore(concurrent)
     refusals = _RefusalLog()
     server.max_body_bytes = max(server.max_body_bytes, max_body_bytes)
-    _redact_server_log()
 
     def ended(kind: Result, response: Response) -> Response:
         if on_result is not None:

@@ -235,9 +235,13 @@ class QueueReader:
 
 def run_fleet(settings: FleetSettings) -> int:
     """`forewarn fleet`: build everything, run the sources until SIGTERM/SIGINT, return the exit code."""
-    if not (settings.subscription or settings.management_group or settings.queue_url):
+    if not (settings.subscription or settings.management_group or settings.queue_url or settings.eventgrid_path):
         raise ConfigError("forewarn fleet needs a source: --subscription or --management-group (Resource "
-                          "Graph), and/or --queue-url (Event Grid through a Storage queue)")
+                          "Graph), and/or --queue-url (Event Grid through a Storage queue), and/or "
+                          "--eventgrid-path (Event Grid push)")
+    if settings.eventgrid_path and not settings.eventgrid_secret:
+        raise ConfigError("--eventgrid-path needs a shared secret: set FOREWARN_EVENTGRID_SECRET or "
+                          "--eventgrid-secret-file (make one with: openssl rand -hex 32)")
     if settings.subscription and settings.management_group:
         raise ConfigError("--subscription and --management-group: give one scope or the other")
     stop = threading.Event()
@@ -246,7 +250,7 @@ def run_fleet(settings: FleetSettings) -> int:
         {k: v for k, v in settings.redacted(FLEET_OPTIONS).items() if k in {o.dest for o in FLEET_OPTIONS}},
         sort_keys=True))
     sources = (["resourcegraph"] if settings.subscription or settings.management_group else []) + \
-        (["queue"] if settings.queue_url else [])
+        (["queue"] if settings.queue_url else []) + (["eventgrid"] if settings.eventgrid_path else [])
     metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version)
     sinks = build_sinks(settings.sink, settings)
     host, port = parse_listen_address(settings.listen_address)
@@ -281,6 +285,8 @@ def run_fleet(settings: FleetSettings) -> int:
         queue = build_queue(settings)
         closers.append(queue.close)
         runners.append(("queue", QueueReader(queue, committer, metrics).run))
+    if "eventgrid" in sources:
+        add_push(settings, server, committer, metrics)
 
     server.start()
     for worker in workers:
@@ -313,6 +319,29 @@ def run_fleet(settings: FleetSettings) -> int:
         log.info("stopped")
         ignore_stop_signals()
     return 0
+
+
+def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommitter, metrics: FleetMetrics) -> None:
+    """The Event Grid push route on the web server: 200 only once the events are committed."""
+    from forewarn.fleet.push import add_eventgrid_route
+
+    assert settings.eventgrid_path is not None and settings.eventgrid_secret is not None
+
+    def pushed(result: str) -> None:
+        metrics.push_requests.labels(result).inc()
+        if result == "accepted":
+            metrics.source_succeeded("eventgrid", time.time())
+        elif result == "failed":
+            metrics.source_failed("eventgrid")
+
+    try:
+        add_eventgrid_route(server, settings.eventgrid_path, secret=settings.eventgrid_secret,
+                            accept=committer.news, on_result=pushed)
+    except ValueError as exc:
+        raise ConfigError(f"FOREWARN_EVENTGRID_SECRET / --eventgrid-secret-file: {exc}") from None
+    if not settings.web_config_file:
+        log.warning("Event Grid push on %s without --web.config.file: plain HTTP, so the shared secret crosses "
+                    "the network in clear; Event Grid itself delivers only to https://", settings.eventgrid_path)
 
 
 def build_resource_graph(settings: FleetSettings, stop: threading.Event) -> Any:
