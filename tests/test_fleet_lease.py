@@ -258,6 +258,19 @@ def test_a_leader_cut_off_from_the_api_and_its_successor_never_overlap(api: Kube
     assert a_last < 1.5 and b_first > 2.0, timeline
 
 
+def test_missing_permissions_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    role = tmp_path / "get-only.yaml"
+    role.write_text(ROLE.replace("verbs: [create]", "verbs: [get]"))
+    with KubeApi(cluster_role=role, namespaces=[NAMESPACE]) as api:
+        client = make_client(str(api.kubeconfig(tmp_path / "kubeconfig", namespace=NAMESPACE)), timeout=2.0)
+        a = LeaseElector(client, NAMESPACE, NAME, "a", lease_seconds=2, renew_every=0.5)
+        assert not a.step()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "create lease forewarn/forewarn-fleet: forbidden (403)" in errors[0], errors
+    assert "needs create, and get and update of lease forewarn-fleet, on coordination.k8s.io leases in " \
+           "namespace forewarn" in errors[0]
+
+
 def test_a_stopped_api_server_makes_the_leader_step_down(api: KubeApi, elector: Make) -> None:
     clock = Clock()
     a = elector("a", clock)

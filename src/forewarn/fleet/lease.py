@@ -83,7 +83,7 @@ class LeaseElector:
 
     @property
     def holder(self) -> str | None:
-        """The holder as last read from the Lease (None: nobody, or not read yet)."""
+        """This replica while it leads, else the holder as last read (None: nobody, or not read yet)."""
         return self.identity if self.is_leader else self._holder
 
     # --- one round -------------------------------------------------------------------------------------
@@ -123,29 +123,29 @@ class LeaseElector:
             return False
         return self._write(lease, now)
 
-    def _get(self) -> dict[str, Any] | None:
+    def _call(self, doing: str, request: Callable[[], Any], tolerated: tuple[int, ...]) -> dict[str, Any] | None:
+        """The object `request()` answers as a dict, or None when the API server answered one of the
+        `tolerated` codes; any other failure (an API error, the transport's) raised as a KubeError."""
         try:
-            return cast(dict[str, Any], self.client.get(Lease, self.name, namespace=self.namespace).to_dict())
+            return cast(dict[str, Any], request().to_dict())
         except ApiError as exc:
-            if exc.status.code == 404:
+            if exc.status.code in tolerated:
                 return None
-            raise explain(exc, f"get lease {self.namespace}/{self.name}") from None
+            raise self._explain(exc, f"{doing} lease {self.namespace}/{self.name}") from None
         except Exception as exc:
-            raise explain(exc, f"get lease {self.namespace}/{self.name}") from None
+            raise self._explain(exc, f"{doing} lease {self.namespace}/{self.name}") from None
+
+    def _get(self) -> dict[str, Any] | None:
+        return self._call("get", lambda: self.client.get(Lease, self.name, namespace=self.namespace), (404,))
 
     def _create(self, now: float) -> bool:
         body = self._body(None, {"holderIdentity": self.identity, "acquireTime": rfc3339(now, micro=True),
                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": 0})
-        try:
-            written = self.client.create(body, namespace=self.namespace)
-        except ApiError as exc:
-            if exc.status.code == 409:
-                return False
-            raise explain(exc, f"create lease {self.namespace}/{self.name}") from None
-        except Exception as exc:
-            raise explain(exc, f"create lease {self.namespace}/{self.name}") from None
+        written = self._call("create", lambda: self.client.create(body, namespace=self.namespace), (409,))
+        if written is None:
+            return False
         self._holder = self.identity
-        self._written = cast(dict[str, Any], written.to_dict())
+        self._written = written
         return True
 
     def _write(self, lease: dict[str, Any], now: float) -> bool:
@@ -156,18 +156,21 @@ class LeaseElector:
         acquired = spec.get("acquireTime") if ours and spec.get("acquireTime") else rfc3339(now, micro=True)
         body = self._body(lease, {"holderIdentity": self.identity, "acquireTime": acquired,
                                   "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions})
-        try:
-            written = self.client.replace(body)
-        except ApiError as exc:
-            if exc.status.code in (404, 409):  # written or deleted since we read it: not ours this round
-                self._holder = self._current_holder()
-                return False
-            raise explain(exc, f"update lease {self.namespace}/{self.name}") from None
-        except Exception as exc:
-            raise explain(exc, f"update lease {self.namespace}/{self.name}") from None
+        written = self._call("update", lambda: self.client.replace(body), (404, 409))
+        if written is None:  # written or deleted since we read it: not ours this round
+            self._holder = self._current_holder()
+            return False
         self._holder = self.identity
-        self._written = cast(dict[str, Any], written.to_dict())
+        self._written = written
         return True
+
+    def _explain(self, exc: Exception, doing: str) -> KubeError:
+        """`explain`, with the permissions the fleet needs when the API server says forbidden."""
+        if isinstance(exc, ApiError) and exc.status.code == 403:
+            return KubeError(f"{doing}: forbidden (403): {exc.status.message or exc.status.reason}; forewarn "
+                             f"fleet's service account needs create, and get and update of lease {self.name}, "
+                             f"on coordination.k8s.io leases in namespace {self.namespace} (a Role)", 403)
+        return explain(exc, doing)
 
     def _current_holder(self) -> str | None:
         """The holder now, after a lost race (for the log and the metric; None when it cannot be read)."""
@@ -219,20 +222,15 @@ class LeaseElector:
         written, self._written = self._written, None
         if written is None or self._holder != self.identity:
             return False
-        spec = written.get("spec") or {}
+        body = self._body(written, {"leaseTransitions": int((written.get("spec") or {}).get("leaseTransitions") or 0)})
         try:
-            self.client.replace(self._body(written, {"leaseTransitions": int(spec.get("leaseTransitions") or 0)}))
-        except ApiError as exc:
-            if exc.status.code in (404, 409):  # written (taken over) or deleted since: not ours to clear
-                log.info("lease %s/%s changed since %s last held it; nothing to release", self.namespace,
-                         self.name, self.identity)
-                return False
-            reason = explain(exc, f"release lease {self.namespace}/{self.name}")
-            log.warning("%s; a standby takes over when the lease expires (%d s)", reason, self.lease_seconds)
+            released = self._call("release", lambda: self.client.replace(body), (404, 409))
+        except KubeError as exc:
+            log.warning("%s; a standby takes over when the lease expires (%d s)", exc, self.lease_seconds)
             return False
-        except Exception as exc:
-            reason = explain(exc, f"release lease {self.namespace}/{self.name}")
-            log.warning("%s; a standby takes over when the lease expires (%d s)", reason, self.lease_seconds)
+        if released is None:  # written (taken over) or deleted since our last write: not ours to clear
+            log.info("lease %s/%s changed since %s last held it; nothing to release", self.namespace, self.name,
+                     self.identity)
             return False
         self._holder = None
         self._said = None
