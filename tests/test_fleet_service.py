@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -237,3 +238,63 @@ def test_event_grid_push_is_committed_before_it_is_answered_and_strangers_are_re
     assert 'azure_scheduled_events_eventgrid_push_requests_total{result="unauthorized"} 1.0' in text
     assert 'azure_scheduled_events_source_up{source="eventgrid"} 1.0' in text
     assert PUSH_SECRET not in fleet.log.read_text()
+
+
+LEASE_ROLE = """\
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: forewarn-fleet-lease, namespace: forewarn}
+rules:
+- {apiGroups: [coordination.k8s.io], resources: [leases], verbs: [create]}
+- {apiGroups: [coordination.k8s.io], resources: [leases], resourceNames: [forewarn-fleet], verbs: [get, update]}
+"""
+
+
+def test_two_replicas_one_active_and_a_takeover_after_sigkill_loses_nothing(
+        tmp_path: Path, authority: Authority, azurite: Azurite) -> None:
+    """Two replicas on one queue under one Lease: only the holder reads and publishes; SIGKILL it, and the other
+    takes over within the lease time and delivers what came since. Nothing is lost; the records of both name
+    each change under one id."""
+    from peers.kube_api import KubeApi
+
+    role = tmp_path / "role.yaml"
+    role.write_text(LEASE_ROLE)
+    queue = azurite.queue()
+    with KubeApi(cluster_role=role, namespaces=["forewarn"]) as api:
+        replicas = []
+        for name in ("a", "b"):
+            kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn")
+            home = tmp_path / name
+            home.mkdir()
+            replicas.append(Fleet(home, None, authority, azurite, queue.queue_name,
+                                  extra=("--lease-name", "forewarn-fleet", "--lease-seconds", "3",
+                                         "--kubeconfig", str(kubeconfig))).start())
+        try:
+            def active() -> list[Fleet]:
+                return [r for r in replicas if "azure_scheduled_events_fleet_active 1.0" in (r.metrics() or "")]
+
+            wait_until(lambda: len(active()) == 1, timeout=20, message="one active replica")
+            (leader,) = active()
+            (standby,) = [r for r in replicas if r is not leader]
+            for n in range(5):
+                queue.send_message(json.dumps(grid(SUBS[0], 200 + n, "Scheduled", f"t-{n}")))
+            wait_until(lambda: count(queue) == 0 and len(leader.records()) == 5, timeout=30,
+                       message="the first messages, by the active replica")
+            assert standby.records() == []
+            leader.kill()
+            killed_at = time.monotonic()
+            for n in range(5, 10):
+                queue.send_message(json.dumps(grid(SUBS[0], 200 + n, "Scheduled", f"t-{n}")))
+            wait_until(lambda: "azure_scheduled_events_fleet_active 1.0" in (standby.metrics() or ""), timeout=20,
+                       message="the standby to take over")
+            took = time.monotonic() - killed_at
+            wait_until(lambda: count(queue) == 0 and len(standby.records()) >= 5, timeout=30,
+                       message="the later messages, by the new active replica")
+        finally:
+            for replica in replicas:
+                if replica.proc is not None and replica.proc.poll() is None:
+                    assert replica.stop() == 0, replica.log.read_text()[-3000:]
+    assert took <= 3 + 5, f"takeover took {took:.1f} s with a 3 s lease (bound: the lease, plus a margin for load)"
+    reported = changes(leader.records() + standby.records())
+    assert set(reported) == {(f"vm-{200 + n}", eid(200 + n), "added") for n in range(10)}
+    assert set(reported.values()) == {1}

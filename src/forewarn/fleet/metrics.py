@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -56,6 +56,8 @@ class FleetMetrics:
 
     def __init__(self, sources: Sequence[str], api_version: str = "") -> None:
         self.api_version = api_version
+        #: Whether this replica is the active one (holds the Lease; always without one), read at scrape time.
+        self.active: Callable[[], bool] = lambda: True
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._view = FleetView(sources={name: SourceHealth() for name in sources})
@@ -214,6 +216,9 @@ class _ViewCollector:
             oldest.add_metric([sink], max(0.0, now - backlog.oldest_created) if backlog.oldest_created else 0.0)
         yield waiting
         yield oldest
+        yield GaugeMetricFamily("azure_scheduled_events_fleet_active", "1 on the replica that reads the sources "
+                                "and publishes (the Lease holder), 0 on a standby.",
+                                value=1 if self._metrics.active() else 0)
         build = GaugeMetricFamily("azure_scheduled_events_build_info", "forewarn's version (1); in fleet mode "
                                   "api_version is Resource Graph's.", labels=["version", "api_version", "mode"])
         build.add_metric([__version__, self._metrics.api_version, "fleet"], 1)

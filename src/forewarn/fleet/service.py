@@ -62,13 +62,21 @@ class FleetOutboxMetrics(OutboxObserver):
         self._metrics.state_writable.set(1 if writable else 0)
 
 
-class FleetCommitter:
-    """The one writer of the tracker and the saved state: news in, records and state out, atomically."""
+class NotActive(Exception):
+    """This replica does not hold the Lease: it commits nothing (a queue message stays for the active one)."""
 
-    def __init__(self, outbox: Outbox, metrics: FleetMetrics, clock: Callable[[], float] = time.time) -> None:
+
+class FleetCommitter:
+    """The one writer of the tracker and the saved state: news in, records and state out, atomically.
+    `active()` is asked under the lock before every commit: a source thread that outlived its replica's
+    term (a snapshot under way when the Lease was lost) commits nothing."""
+
+    def __init__(self, outbox: Outbox, metrics: FleetMetrics, clock: Callable[[], float] = time.time,
+                 active: Callable[[], bool] = lambda: True) -> None:
         self.outbox = outbox
         self.metrics = metrics
         self.clock = clock
+        self.active = active
         self._lock = threading.Lock()
         self._saved = self._load()
         self.tracker = self._restore(self._saved)
@@ -96,6 +104,8 @@ class FleetCommitter:
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
         """Events from a push or a queue message; returns once their changes are committed (or raises)."""
         with self._lock:
+            if not self.active():
+                raise NotActive("this replica does not hold the Lease")
             now = self.clock()
             changes: list[FleetChange] = []
             repeats = 0
@@ -110,6 +120,8 @@ class FleetCommitter:
 
     def snapshot(self, events: Sequence[FleetEvent], started_at: float, complete: bool) -> list[FleetChange]:
         with self._lock:
+            if not self.active():
+                raise NotActive("this replica does not hold the Lease")
             now = self.clock()
             changes = self.tracker.apply_snapshot(events, started_at, now, complete)
             self._commit(changes, now)
@@ -185,6 +197,8 @@ class ResourceGraphSource:
                 log.warning("Resource Graph: %s (no event is ended from this snapshot)", warning)
             try:
                 self.committer.snapshot(events, started, complete)
+            except NotActive:
+                return
             except Exception:
                 log.exception("cannot commit a Resource Graph snapshot; the next one tries again")
                 self.metrics.source_failed("resourcegraph")
@@ -214,6 +228,8 @@ class QueueReader:
                 now = time.time()
                 try:
                     self.committer.news(delivery.events)
+                except NotActive:
+                    break  # the term is over: the message comes back to the active replica
                 except Exception:
                     log.exception("cannot commit queue message %s; it stays in the queue", delivery.message_id)
                     continue
@@ -266,14 +282,24 @@ def run_fleet(settings: FleetSettings) -> int:
     except OSError as exc:
         raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
             from None
-    add_metrics_endpoints(server, metrics.render, readiness_check(metrics.last_success, settings.ready_window))
+    elector = build_elector(settings)
+    metrics.active = (lambda: elector.is_leader) if elector is not None else (lambda: True)
+    sources_ready = readiness_check(metrics.last_success, settings.ready_window)
+
+    def ready() -> tuple[bool, str]:
+        """A standby is ready (it serves its metrics, and rollouts must not wait for it to lead)."""
+        if elector is not None and not elector.is_leader:
+            return True, "standby: another replica holds the Lease"
+        return sources_ready()
+
+    add_metrics_endpoints(server, metrics.render, ready)
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
                     FleetOutboxMetrics(metrics))
     workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
-    committer = FleetCommitter(outbox, metrics)
+    committer = FleetCommitter(outbox, metrics, active=metrics.active)
     runners: list[tuple[str, Callable[[threading.Event], None]]] = []
     closers: list[Callable[[], None]] = []
     if "resourcegraph" in sources:
@@ -291,19 +317,24 @@ def run_fleet(settings: FleetSettings) -> int:
     server.start()
     for worker in workers:
         worker.start()
-    threads = [threading.Thread(target=runner, args=(stop,), name=f"source-{name}", daemon=True)
-               for name, runner in runners]
-    for thread in threads:
-        thread.start()
-    log.info("forewarn %s fleet: sources %s; metrics on %s/metrics; sinks: %s", __version__, ", ".join(sources),
-             server.url, ", ".join(s.name for s in sinks) or "none (metrics only)")
+    term = Term(runners)
+    log.info("forewarn %s fleet: sources %s; metrics on %s/metrics; sinks: %s%s", __version__, ", ".join(sources),
+             server.url, ", ".join(s.name for s in sinks) or "none (metrics only)",
+             f"; Lease {settings.lease_name} as {elector.identity}" if elector is not None else "")
+    lease_thread = None
+    if elector is not None:
+        lease_thread = threading.Thread(target=elector.run, args=(stop, term.start, term.stop), name="fleet-lease",
+                                        daemon=True)
+        lease_thread.start()
+    else:
+        term.start()
     try:
         stop.wait()
     finally:
         stop.set()
-        deadline = time.monotonic() + SOURCE_STOP_WAIT
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        if lease_thread is not None:  # it ends the term and releases the Lease, so a successor starts at once
+            lease_thread.join(SOURCE_STOP_WAIT + settings.lease_seconds / 3 + 1)
+        term.stop()
         for name in stop_workers(workers, settings.drain_timeout):
             log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
                         "and are delivered after the next start", name, settings.drain_timeout)
@@ -319,6 +350,57 @@ def run_fleet(settings: FleetSettings) -> int:
         log.info("stopped")
         ignore_stop_signals()
     return 0
+
+
+class Term:
+    """The sources' threads for one term as the active replica: started when it begins, stopped when it ends
+    (the Lease lost, or the service stopping)."""
+
+    def __init__(self, runners: Sequence[tuple[str, Callable[[threading.Event], None]]]) -> None:
+        self.runners = runners
+        self._over: threading.Event | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._over = threading.Event()
+        self._threads = [threading.Thread(target=runner, args=(self._over,), name=f"source-{name}", daemon=True)
+                         for name, runner in self.runners]
+        for thread in self._threads:
+            thread.start()
+        log.info("active: reading %s", ", ".join(name for name, _ in self.runners) or "nothing (push only)")
+
+    def stop(self) -> None:
+        if self._over is None:
+            return
+        self._over.set()
+        deadline = time.monotonic() + SOURCE_STOP_WAIT
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._over = None
+        self._threads = []
+
+
+def build_elector(settings: FleetSettings) -> Any:
+    """The Lease elector when --lease-name is set (lightkube imported only then), else None."""
+    if not settings.lease_name:
+        return None
+    try:
+        from forewarn.fleet.lease import LeaseElector
+        from forewarn.node.kube import KubeError, make_client
+    except ImportError as exc:
+        raise ConfigError(f"--lease-name needs lightkube: pip install 'forewarn[fleet]' ({exc})") from None
+    renew = settings.lease_seconds / 3
+    try:
+        # Each request bounded by the renew period: a replica cut off from the API server steps down before
+        # another can take over. Not stopped by the stop signal: the release must still go out after it.
+        client = make_client(settings.kubeconfig, timeout=renew)
+    except KubeError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        return LeaseElector(client, settings.lease_namespace or client.namespace, settings.lease_name,
+                            lease_seconds=max(1, round(settings.lease_seconds)), renew_every=renew)
+    except ValueError as exc:
+        raise ConfigError(f"--lease-seconds: {exc}") from None
 
 
 def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommitter, metrics: FleetMetrics) -> None:
