@@ -1,9 +1,9 @@
-"""Fleet mode's functional core: Scheduled Events of many VMs from Azure's central feeds.
+"""Fleet mode, `forewarn fleet`: Scheduled Events of many VMs from Azure's central feeds (docs/fleet.md).
 
-- `feed.py`: `FleetEvent` and the parsers for Resource Graph rows and Event Grid deliveries (a Storage
-  queue message or an HTTPS push, Event Grid or CloudEvents schema), at the same bounded boundary as IMDS.
-- `armid.py`: ARM resource IDs, split, compared without regard to case, and built.
-
-Transports (Resource Graph paging, the queue, the push endpoint) sit outside and hand these parsers
-bytes, text or decoded JSON.
+- `feed.py`, `armid.py`: the boundary: Resource Graph rows and Event Grid deliveries (queue message or HTTPS
+  push, Event Grid or CloudEvents schema) into `FleetEvent`; ARM resource IDs.
+- `tracker.py`, `records.py`, `state.py`: the functional core: one state per event moving forward only, its
+  changes as the per-VM agent's records, the tracker saved in the outbox's transaction.
+- `resourcegraph.py`, `queue.py`, `push.py`: the transports, each bounded in size and time.
+- `lease.py`, `metrics.py`, `service.py`: one active replica, the metrics, the service that wires them.
 """
