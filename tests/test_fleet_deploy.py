@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from test_helm import CHART, NAMESPACE, RELEASE, helm, one, render
-from test_kubernetes import K8S_VERSION, build, validate_crds
+from test_helm import CHART, NAMESPACE, RELEASE, helm, lint_and_validate, one, render
+from test_kubernetes import K8S_VERSION, build
 
 ROOT = Path(__file__).parent.parent
 AZURE = ROOT / "deploy" / "azure"
@@ -69,20 +69,7 @@ MATRIX: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("name", MATRIX)
 def test_fleet_mode_lints_strictly_and_every_rendered_object_validates(name: str) -> None:
-    import kubernetes_validate
-
-    values = MATRIX[name]
-    lint = helm("lint", "--strict", str(CHART), values=values)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
-    docs = render(values)
-    monitoring = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
-    for doc in docs:
-        if doc not in monitoring:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    if monitoring:
-        result = validate_crds(yaml.safe_dump_all(monitoring))
-        assert result.returncode == 0, result.stdout + result.stderr
-    assert all(d["metadata"].get("namespace", NAMESPACE) == NAMESPACE for d in docs)
+    lint_and_validate(MATRIX[name])
 
 
 @pytest.mark.parametrize("name", MATRIX)

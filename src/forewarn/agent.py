@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forewarn import __version__
-from forewarn.config import ConfigError, Settings, parse_listen_address, redact_url
+from forewarn.config import ConfigError, Settings, redact_url
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
@@ -25,7 +25,7 @@ from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, readiness_check
-from forewarn.web.server import HttpServer
+from forewarn.web.setup import web_gate, web_server
 
 if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
     from forewarn.approval.actor import NodeActor
@@ -43,12 +43,7 @@ def run_agent(settings: Settings) -> int:
     handle_signals(stop, reload=lambda: reload_policy(settings, reloadable[0] if reloadable else None,
                                                       metrics))
     sinks = build_sinks(settings.sink, settings)
-    host, port = parse_listen_address(settings.listen_address)
-    gate = None  # before the simulator and temporary state, which a refused file would leave behind
-    if settings.web_config_file:
-        from forewarn.web.config import WebGate
-
-        gate = WebGate(settings.web_config_file)  # a refused file is a ConfigError: exit 2, file and key named
+    gate = web_gate(settings)  # before the simulator and temporary state, which a refused file would leave behind
     simulator_server = None
     scratch: tempfile.TemporaryDirectory[str] | None = None  # a simulated run's state, removed at stop
     endpoint = settings.imds_endpoint
@@ -71,13 +66,7 @@ def run_agent(settings: Settings) -> int:
 
         endpoint = discover_endpoint()
 
-    try:
-        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout, gate=gate,
-                            max_connections=settings.web_max_connections,
-                            max_request_bytes=settings.web_max_request_bytes)
-    except OSError as exc:
-        raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
-            from None
+    server = web_server(settings, gate)
     add_metrics_endpoints(server, metrics.render,
                           readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
     add_lb_probe(server, lambda: metrics.views.view,

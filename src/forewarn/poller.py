@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Protocol
+from typing import Any, Protocol
 
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
@@ -41,10 +41,27 @@ class ChangeListener(Protocol):
     def on_changes(self, document: Document, changes: Sequence[Change], vm: VmInfo) -> None: ...
 
 
+class StoreView(Protocol):
+    def store_writable(self, writable: bool) -> None: ...
+
+
+class StoreMetrics(Protocol):
+    """What the outbox's observer reports to: the per-VM agent's Metrics, or fleet mode's."""
+
+    @property
+    def views(self) -> StoreView: ...
+
+    @property
+    def store_errors(self) -> Any: ...  # prometheus_client Counters
+
+    @property
+    def outbox_dropped(self) -> Any: ...
+
+
 class OutboxMetrics(OutboxObserver):
     """The outbox's storage events as metrics: failed writes, dropped records, and the state_writable gauge."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: StoreMetrics) -> None:
         self._metrics = metrics
 
     def write_failed(self) -> None:

@@ -128,6 +128,9 @@ class FleetMetrics:
         with self._lock:
             self._view = replace(self._view, backlogs={**self._view.backlogs, sink: backlog})
 
+    def store_writable(self, writable: bool) -> None:
+        self.state_writable.set(1 if writable else 0)
+
     def add_sink(self, name: str) -> None:
         self.records.labels(name)
         self.record_failures.labels(name)

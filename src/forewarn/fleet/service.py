@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn import __version__
-from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, parse_listen_address, redact_url
+from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, redact_url
 from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_records
@@ -35,31 +35,19 @@ from forewarn.fleet.state import STATE_KEY, StateError, dump, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
-from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
+from forewarn.outbox.outbox import Outbox, StoreError
+from forewarn.poller import OutboxMetrics
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.tracker import ChangeKind
 from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
+from forewarn.web.setup import web_gate, web_server
 
 log = logging.getLogger(__name__)
 
 #: How long a source thread may take to notice the stop before the service carries on without it.
 SOURCE_STOP_WAIT = 2.0
-
-
-class FleetOutboxMetrics(OutboxObserver):
-    def __init__(self, metrics: FleetMetrics) -> None:
-        self._metrics = metrics
-
-    def write_failed(self) -> None:
-        self._metrics.store_errors.inc()
-
-    def records_dropped(self, count: int) -> None:
-        self._metrics.outbox_dropped.inc(count)
-
-    def writable_changed(self, writable: bool) -> None:
-        self._metrics.state_writable.set(1 if writable else 0)
 
 
 class NotActive(Exception):
@@ -269,19 +257,7 @@ def run_fleet(settings: FleetSettings) -> int:
         (["queue"] if settings.queue_url else []) + (["eventgrid"] if settings.eventgrid_path else [])
     metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version)
     sinks = build_sinks(settings.sink, settings)
-    host, port = parse_listen_address(settings.listen_address)
-    gate = None
-    if settings.web_config_file:
-        from forewarn.web.config import WebGate
-
-        gate = WebGate(settings.web_config_file)
-    try:
-        server = HttpServer(host, port, name="metrics-http", read_timeout=settings.web_read_timeout, gate=gate,
-                            max_connections=settings.web_max_connections,
-                            max_request_bytes=settings.web_max_request_bytes)
-    except OSError as exc:
-        raise ConfigError(f"--listen-address {settings.listen_address}: cannot listen ({exc.strerror or exc})") \
-            from None
+    server = web_server(settings, web_gate(settings))
     elector = build_elector(settings)
     metrics.active = (lambda: elector.is_leader) if elector is not None else (lambda: True)
     sources_ready = readiness_check(metrics.last_success, settings.ready_window)
@@ -295,7 +271,7 @@ def run_fleet(settings: FleetSettings) -> int:
     add_metrics_endpoints(server, metrics.render, ready)
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
-                    FleetOutboxMetrics(metrics))
+                    OutboxMetrics(metrics))
     workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
