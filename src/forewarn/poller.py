@@ -75,7 +75,10 @@ class OutboxMetrics(OutboxObserver):
 
 
 class Poller:
-    """The poll loop and what it feeds. Everything with I/O is passed in, so tests can drive it."""
+    """The poll loop and what it feeds (the Source of `forewarn run`, forewarn.sources). Everything with I/O is
+    passed in, so tests can drive it."""
+
+    name = "imds"
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from forewarn.outbox.outbox import Outbox, StoreError
 from forewarn.poller import OutboxMetrics
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
+from forewarn.sources import STOP_WAIT, Source, Term
 from forewarn.tracker import ChangeKind
 from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
@@ -46,8 +47,6 @@ from forewarn.web.setup import web_gate, web_server
 
 log = logging.getLogger(__name__)
 
-#: How long a source thread may take to notice the stop before the service carries on without it.
-SOURCE_STOP_WAIT = 2.0
 
 
 class NotActive(Exception):
@@ -143,7 +142,9 @@ class FleetCommitter:
 
 @dataclass
 class ResourceGraphSource:
-    """Snapshots of the open events, every `interval` seconds, reconciled into the tracker."""
+    """Snapshots of the open events, every `interval` seconds, reconciled into the tracker (a Source)."""
+
+    name = "resourcegraph"
 
     client: Any  # ResourceGraphClient (imported only when configured)
     subscriptions: Sequence[str]
@@ -200,7 +201,9 @@ class ResourceGraphSource:
 
 @dataclass
 class QueueReader:
-    """Event Grid deliveries from a Storage queue: committed first, deleted after."""
+    """Event Grid deliveries from a Storage queue: committed first, deleted after (a Source)."""
+
+    name = "queue"
 
     source: Any  # QueueSource (imported only when configured)
     committer: FleetCommitter
@@ -276,17 +279,17 @@ def run_fleet(settings: FleetSettings) -> int:
     for sink in sinks:
         metrics.add_sink(sink.name)
     committer = FleetCommitter(outbox, metrics, active=metrics.active)
-    runners: list[tuple[str, Callable[[threading.Event], None]]] = []
+    runners: list[Source] = []
     closers: list[Callable[[], None]] = []
     if "resourcegraph" in sources:
         client = build_resource_graph(settings, stop)
         closers.append(client.close)
-        runners.append(("resourcegraph", ResourceGraphSource(client, settings.subscription, settings.management_group,
-                                                             settings.reconcile_interval, committer, metrics).run))
+        runners.append(ResourceGraphSource(client, settings.subscription, settings.management_group,
+                                           settings.reconcile_interval, committer, metrics))
     if "queue" in sources:
         queue = build_queue(settings)
         closers.append(queue.close)
-        runners.append(("queue", QueueReader(queue, committer, metrics).run))
+        runners.append(QueueReader(queue, committer, metrics))
     if "eventgrid" in sources:
         add_push(settings, server, committer, metrics)
 
@@ -309,7 +312,7 @@ def run_fleet(settings: FleetSettings) -> int:
     finally:
         stop.set()
         if lease_thread is not None:  # it ends the term and releases the Lease, so a successor starts at once
-            lease_thread.join(SOURCE_STOP_WAIT + settings.lease_seconds / 3 + 1)
+            lease_thread.join(STOP_WAIT + settings.lease_seconds / 3 + 1)
         term.stop()
         for name in stop_workers(workers, settings.drain_timeout):
             log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
@@ -326,34 +329,6 @@ def run_fleet(settings: FleetSettings) -> int:
         log.info("stopped")
         ignore_stop_signals()
     return 0
-
-
-class Term:
-    """The sources' threads for one term as the active replica: started when it begins, stopped when it ends
-    (the Lease lost, or the service stopping)."""
-
-    def __init__(self, runners: Sequence[tuple[str, Callable[[threading.Event], None]]]) -> None:
-        self.runners = runners
-        self._over: threading.Event | None = None
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        self._over = threading.Event()
-        self._threads = [threading.Thread(target=runner, args=(self._over,), name=f"source-{name}", daemon=True)
-                         for name, runner in self.runners]
-        for thread in self._threads:
-            thread.start()
-        log.info("active: reading %s", ", ".join(name for name, _ in self.runners) or "nothing (push only)")
-
-    def stop(self) -> None:
-        if self._over is None:
-            return
-        self._over.set()
-        deadline = time.monotonic() + SOURCE_STOP_WAIT
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._over = None
-        self._threads = []
 
 
 def build_elector(settings: FleetSettings) -> Any:
