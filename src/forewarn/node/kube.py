@@ -6,6 +6,7 @@ Importing this module imports lightkube; only `forewarn.node` does, and only whe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,37 @@ class Stopped(KubeError):
     """forewarn is stopping: the work under way is left for the next start to resume (not a failure)."""
 
 
+_decoders_ready = False
+_decoders_lock = threading.Lock()
+
+
+def prepare_decoders() -> None:
+    """Build the decoders of every Kubernetes type forewarn reads, once, on one thread.
+
+    msgspec (under lightkube) builds a type's decoder on its first use, and two threads doing that at once
+    crashed the process: a segmentation fault in lightkube's decode_object (msgspec 0.22), caught by
+    faulthandler in CI while the approver's threads read the node concurrently at start. After this, decoding
+    only reads what was built."""
+    global _decoders_ready
+    with _decoders_lock:
+        if _decoders_ready:
+            return
+        from lightkube.core import decoders
+        from lightkube.resources.coordination_v1 import Lease
+        from lightkube.resources.core_v1 import Node, Pod, PodEviction
+        from lightkube.resources.events_v1 import Event
+
+        # An empty body may not validate: the decoder is built by then, which is all this is for.
+        for resource in (Node, Pod, PodEviction, Lease, Event):
+            with contextlib.suppress(Exception):
+                decoders.decode_object(b"{}", resource)
+            with contextlib.suppress(Exception):
+                decoders.decode_list(b"{}", resource)
+        with contextlib.suppress(Exception):
+            decoders.decode_status(b"{}")
+        _decoders_ready = True
+
+
 def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_account: Path = SERVICE_ACCOUNT,
                 stop: threading.Event | None = None) -> Client:
     """A client from `kubeconfig` (a file), else the in-cluster service account (the token, ca.crt and
@@ -59,6 +91,7 @@ def make_client(kubeconfig: str | None, timeout: float = 10.0, *, service_accoun
         context = verify_cluster(single.cluster, single.user, single.abs_file, trust_env=False) if tls else None
         transport = DeadlineTransport(single.cluster.server, context, timeout=timeout,
                                       stop=stop or threading.Event(), stopped=lambda: Stopped("forewarn is stopping"))
+        prepare_decoders()
         return Client(single, field_manager=FIELD_MANAGER, timeout=httpx2.Timeout(timeout), transport=transport,
                       trust_env=False)
     except (KubeConfigError, OSError, ValueError, KeyError) as exc:
