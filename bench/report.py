@@ -190,9 +190,51 @@ def image(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def fleet(results: dict[str, Any]) -> list[str]:
+    run = "quick run: " if results.get("quick") else ""
+    snap, rss, scrape, lat, tp = (results["snapshot"], results["rss"], results["metrics"], results["latency"],
+                                  results["throughput"])
+    floor, mfloor, idle = snap["floor"], scrape["floor"], rss["per_vm_agent_idle"]
+    peak = max(rss["hwm_after_snapshot_mib"], rss["stream_hwm_mib"] or 0, rss["stream_max_rss_mib"])
+    waited = "" if tp["finished"] else \
+        f" (stopped at {tp['bounded_at_s']:g} s: {tp['records']:,} of {tp['messages']:,})"
+    lines = [f"Fleet mode ({run}{results['date']}; {snap['events']:,} events, {snap['vms']:,} VMs, "
+             f"{snap['subscriptions']} subscriptions, pages of {snap['page_rows']} rows)", "",
+             "| measure | forewarn fleet | same-run floor or baseline | target | |", "| --- | --- | --- | --- | --- |",
+             f"| full snapshot: first query to the last of {snap['records']:,} records in the file (process start "
+             f"to it) | {snap['first_query_to_last_record_s']:.1f} s ({snap['start_to_last_record_s']:.1f} s) | "
+             f"bare paging read {floor['median_s'] * 1000:.0f} ms (median of {floor['reads']}) | <= 10 s | "
+             f"{verdict(snap['first_query_to_last_record_s'] <= 10)} |",
+             "| `azure_scheduled_events_reconcile_duration_seconds`, first snapshot (later ones) | "
+             f"{snap['reconcile_metric_s']:.2f} s "
+             f"({', '.join(f'{v:.2f}' for v in snap.get('reconcile_metric_values_s', [])[1:]) or '-'}) | "
+             f"{floor['median_s']:.2f} s | <= 10 s | {verdict(snap['reconcile_metric_s'] <= 10)} |",
+             f"| queue throughput, {tp['messages']:,} preloaded, no Resource Graph{waited} | "
+             f"{tp['messages_per_s']:,.1f} messages/s (by fifths: "
+             f"{', '.join(f'{v:.0f}' for v in tp['records_per_s_by_fifth'])}) | "
+             f"bare receive+delete {tp['floor']['messages_per_s']:,.0f}/s; 8 deletes at once "
+             f"{tp['floor_parallel']['messages_per_s']:,.0f}/s | >= 500/s | {verdict(tp['messages_per_s'] >= 500)} |",
+             f"| queue to record, {lat['rate_per_s']:g}/s for {lat['seconds']:g} s, p50 / p99 / max "
+             f"({lat['missing']} of {lat['sent']} missing) | {lat['p50_ms'] / 1000:.2f} / {lat['p99_ms'] / 1000:.2f} / "
+             f"{lat['max_ms'] / 1000:.2f} s ({lat['records_per_s']} records/s) | - | p99 <= 1.5 s | "
+             f"{verdict(lat['p99_ms'] <= 1500 and lat['missing'] == 0)} |",
+             f"| RSS after the snapshot (VmHWM); during the stream max (VmHWM) | {rss['after_snapshot_mib']:.0f} MiB "
+             f"({rss['hwm_after_snapshot_mib']:.0f}); {rss['stream_max_rss_mib']:.0f} MiB "
+             f"({rss['stream_hwm_mib'] or 0:.0f}) | per-VM agent idle {idle['rss_mib']:.1f} MiB | <= 80 MB "
+             f"({80 * MB:.1f} MiB) | {verdict(peak <= 80 * MB)} |",
+             f"| RSS, queue only, after {tp['records']:,} messages (VmHWM) | {tp['rss_mib']:.0f} MiB "
+             f"({tp['hwm_mib']:.0f}) | | <= 80 MB | {verdict(max(tp['rss_mib'], tp['hwm_mib']) <= 80 * MB)} |",
+             f"| /metrics with {snap['events']:,} events open ({scrape['series']:,} VM series, "
+             f"{scrape['bytes'] / 1e6:.1f} MB), p50 / p99, {scrape['samples']} scrapes | {scrape['p50_ms']:.0f} / "
+             f"{scrape['p99_ms']:.0f} ms | prometheus_client alone, same series: {mfloor['p50_ms']:.0f} / "
+             f"{mfloor['p99_ms']:.0f} ms | p99 <= 50 ms | {verdict(scrape['p99_ms'] <= 50)} |"]
+    return lines
+
+
 def main() -> None:
     for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak),
-                         ("hostile", hostile), ("node_actions", node_actions), ("image", image)):
+                         ("hostile", hostile), ("node_actions", node_actions), ("image", image),
+                         ("fleet", fleet)):
         results = load(name)
         if results is not None:
             print("\n".join(render(results)) + "\n")

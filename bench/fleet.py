@@ -1,0 +1,614 @@
+"""`forewarn fleet` at the size of issue "Fleet mode, part 1", each figure beside a floor measured in the same run.
+
+The service runs as its own process, as deployed (`forewarn fleet`), with the real ManagedIdentityCredential
+against the ARM stand-in over TLS (tests/peers/arm.py, in this process) and the real azure-storage-queue
+client against Azurite (tests/azurite, its own node process); records go to a file sink, which this process
+tails every 5 ms.
+
+- snapshot: 2,000 open events in 50 subscriptions, each on a scale set of 5 VMs (10,000 VMs), served in
+  pages of 1000 rows. The service's own `azure_scheduled_events_reconcile_duration_seconds`, and the time
+  from the first query reaching the stand-in (and from the process start) to the 10,000th record in the
+  file. Floor: the same paging read by a bare http.client loop over TLS with json.loads, nothing else.
+- RSS: VmRSS and VmHWM of the service after the first snapshot, and while the stream below runs (VmHWM
+  reset when it starts). Baseline: the per-VM agent idle (`forewarn run --simulate quiet`, file sink).
+- /metrics: sequential scrapes on one kept-alive connection with the 2,000 events (10,000 VM series) open.
+  Floor: prometheus_client's own server exposing the same series from a list built in advance.
+- latency: a paced stream into the same service's queue (50 messages/s for 30 s, one new event on one VM
+  each), the send time in the event's Description; arrival is when the record shows in the file.
+- throughput: N messages preloaded (one distinct event each), a fresh service with no Resource Graph
+  source; from its start until every record is in the file and the queue is empty. Floor: a bare
+  azure-storage-queue receive (32 a page) + delete loop over the same N messages on the same Azurite.
+
+    python bench/fleet.py [--quick]
+
+Results are printed and written to bench/results/fleet.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib
+import json
+import os
+import shutil
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from common import (
+    BENCH,
+    free_port,
+    header,
+    peak_rss_mib,
+    reset_peak_rss,
+    rss_mib,
+    summary_ms,
+    write_results,
+)
+from peers.arm import ArmPeer
+from peers.pki import Authority
+
+#: The payload builders of the fleet tests, importable once common has put tests/ on the path.
+samples = importlib.import_module("fleet_samples")
+ROOT = BENCH.parent
+AZURITE = ROOT / "tests" / "azurite" / "node_modules" / "azurite" / "dist" / "src" / "queue" / "main.js"
+FOREWARN = Path(sys.executable).parent / "forewarn"
+CLIENT_ID = "00000000-0000-0000-0000-00000000c11d"
+RECONCILE_METRIC = "azure_scheduled_events_reconcile_duration_seconds"
+SENT = "bench-sent="
+
+SUBSCRIPTIONS = 50
+EVENTS = 2000
+VMS_PER_EVENT = 5
+PAGE_ROWS = 1000
+
+
+# --- the fleet's data --------------------------------------------------------------------------------------
+
+def subscription(n: int) -> str:
+    return str(uuid.UUID(int=0x5B5 << 64 | n))
+
+
+def snapshot_rows(subscriptions: int, events: int, vms_per_event: int) -> list[dict[str, Any]]:
+    """Open events on scale sets, spread evenly over the subscriptions, each acting on `vms_per_event` VMs."""
+    rows = []
+    for n in range(events):
+        sub, rg, name = subscription(n % subscriptions), f"rg-{n % 7}", f"ss-{n:05d}"
+        props = samples.properties(event_id=str(uuid.UUID(int=0xE7 << 64 | n)), event_type=("Reboot", "Redeploy",
+                           "Freeze")[n % 3], resources=[f"{name}_{k}" for k in range(vms_per_event)])
+        info = samples.resource_info(props, samples.target_id("vmss", name, sub=sub, rg=rg))
+        rows.append({"id": info["id"], "name": info["name"], "subscriptionId": sub, "resourceGroup": rg,
+                     "location": "westeurope", "properties": props})
+    return rows
+
+
+def stream_message(n: int, sent: float, prefix: str) -> str:
+    """One Event Grid delivery of a new event on one VM; the send time rides in the Description."""
+    name = f"{prefix}-{n:05d}"
+    props = samples.properties(event_id=str(uuid.uuid4()), resources=(name,), Description=f"{SENT}{sent:.6f}")
+    target = samples.target_id("vm", name, sub=subscription(999), rg="rg-stream")
+    return json.dumps(samples.event_grid_event(props, target, f"{prefix}-{n}"))
+
+
+# --- peers and the service ---------------------------------------------------------------------------------
+
+class Azurite:
+    """azurite-queue on a loopback port (as tests/test_fleet_queue.py runs it)."""
+
+    def __init__(self, location: Path) -> None:
+        node = shutil.which("node")
+        if node is None or not AZURITE.is_file():
+            raise SystemExit("Azurite is needed: install Node.js and run `npm ci --prefix tests/azurite`")
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [node, str(AZURITE), "--queueHost", "127.0.0.1", "--queuePort", str(self.port), "--location",
+             str(location), "--skipApiVersionCheck", "--disableTelemetry", "--silent"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"http://127.0.0.1:{self.port}/", timeout=0.5)
+                return
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise RuntimeError("Azurite did not start")
+
+    @property
+    def connection_string(self) -> str:
+        from test_fleet_queue import ACCOUNT, ACCOUNT_KEY
+
+        return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
+                f"QueueEndpoint=http://127.0.0.1:{self.port}/{ACCOUNT};")
+
+    def queue(self, name: str | None = None) -> Any:
+        from azure.storage.queue import QueueClient
+
+        client = QueueClient.from_connection_string(self.connection_string, name or "q" + uuid.uuid4().hex[:12],
+                                                    connection_timeout=5, read_timeout=10)
+        if name is None:
+            client.create_queue()
+        return client
+
+    def count(self, queue: Any) -> int:
+        return int(queue.get_queue_properties().approximate_message_count or 0)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def preload(azurite: Azurite, queue_name: str, total: int, prefix: str) -> float:
+    """`total` messages into the queue from 8 threads; returns the seconds it took."""
+    started = time.monotonic()
+
+    def send(part: int) -> None:
+        client = azurite.queue(queue_name)
+        for n in range(part, total, 8):
+            client.send_message(stream_message(n, 0.0, prefix))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(send, range(8)))
+    return time.monotonic() - started
+
+
+class Tail:
+    """The sink's file, read every 5 ms: each complete line with the time it was first seen."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines: list[tuple[float, bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tail", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        offset, partial = 0, b""
+        while not self._stop.wait(0.005):
+            try:
+                with self.path.open("rb") as file:
+                    file.seek(offset)
+                    chunk = file.read()
+            except FileNotFoundError:
+                continue
+            if not chunk:
+                continue
+            now = time.time()
+            offset += len(chunk)
+            *complete, partial = (partial + chunk).split(b"\n")
+            self.lines.extend((now, line) for line in complete if line.strip())
+
+    def wait_for(self, count: int, timeout: float) -> float | None:
+        """The time the `count`th line was seen, or None after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.lines) >= count:
+                return self.lines[count - 1][0]
+            time.sleep(0.01)
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+class Fleet:
+    """`forewarn fleet` as its own process, with a file sink and its metrics on a loopback port."""
+
+    def __init__(self, tmp: Path, arm: ArmPeer | None, authority: Authority, azurite: Azurite, queue_name: str,
+                 subscriptions: list[str], reconcile_interval: float) -> None:
+        bundle = tmp / "ca.pem"
+        bundle.write_bytes(authority.pem)
+        self.records_file = tmp / "records.jsonl"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.log = tmp / "fleet.log"
+        argv = [str(FOREWARN), "fleet", *[arg for sub in subscriptions for arg in ("--subscription", sub)],
+                "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue_name}",
+                "--sink", f"file:{self.records_file}", "--state-dir", str(tmp / "state"),
+                "--listen-address", f"127.0.0.1:{self.port}", "--log-level", "warning"]
+        env = {**os.environ, "FOREWARN_QUEUE_CONNECTION_STRING": azurite.connection_string,
+               "REQUESTS_CA_BUNDLE": str(bundle)}
+        if arm is not None:
+            argv += ["--arm-endpoint", arm.base, "--arm-client-id", CLIENT_ID,
+                     "--reconcile-interval", str(reconcile_interval)]
+            env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = arm.base
+        self.tail = Tail(self.records_file)
+        self.started = time.time()
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        self.session = requests.Session()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"forewarn fleet exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if self.session.get(self.url, timeout=2).status_code == 200:
+                    self.ready = time.time()
+                    return
+            except requests.RequestException:
+                time.sleep(0.05)
+        raise RuntimeError("forewarn fleet did not serve /metrics within 60 s")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def metric(self, name: str, text: str | None = None) -> float | None:
+        text = text if text is not None else self.session.get(self.url, timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return None
+
+    def stop(self) -> int:
+        self.tail.stop()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+# --- floors ------------------------------------------------------------------------------------------------
+
+def paging_floor(arm: ArmPeer, authority: Authority, subscriptions: list[str], reads: int) -> dict[str, Any]:
+    """The stand-in's full paging read by a bare http.client loop over TLS (one kept-alive connection, the
+    query forewarn sends, $skipToken followed, each page through json.loads): the least a snapshot costs."""
+    from forewarn.fleet.resourcegraph import DEFAULT_QUERY
+
+    context = ssl.create_default_context(cadata=authority.pem.decode())
+    host = urlsplit(arm.base)
+    headers = {"Authorization": f"Bearer {arm.token}", "Content-Type": "application/json"}
+    path = f"/providers/Microsoft.ResourceGraph/resources?api-version={arm.api_version}"
+    times, rows, size = [], 0, 0
+    for _ in range(reads):
+        started = time.perf_counter()
+        conn = http.client.HTTPSConnection(host.hostname or "127.0.0.1", host.port, context=context, timeout=30)
+        token, rows, size = None, 0, 0
+        for _page in range(100):  # bounded: 2,000 rows are 2 pages
+            options: dict[str, Any] = {"$top": PAGE_ROWS, "resultFormat": "objectArray"}
+            if token:
+                options["$skipToken"] = token
+            conn.request("POST", path, json.dumps({"subscriptions": subscriptions, "query": DEFAULT_QUERY,
+                                                   "options": options}), headers)
+            body = conn.getresponse().read()
+            size += len(body)
+            page = json.loads(body)
+            rows += len(page["data"])
+            token = page.get("$skipToken")
+            if not token:
+                break
+        conn.close()
+        times.append(time.perf_counter() - started)
+    return {"reads": reads, "rows": rows, "bytes": size, "median_s": round(statistics.median(times), 3),
+            "min_s": round(min(times), 3), "max_s": round(max(times), 3)}
+
+
+def queue_floor(azurite: Azurite, total: int, threads: int = 1) -> dict[str, Any]:
+    """A bare azure-storage-queue loop over `total` preloaded messages: receive 32 (one page, one request),
+    delete each (one after another, or `threads` at once, each thread with its own client); nothing parsed,
+    nothing written."""
+    queue = azurite.queue()
+    loaded = preload(azurite, queue.queue_name, total, "floor")
+    clients = [azurite.queue(queue.queue_name) for _ in range(threads)]
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    done, started = 0, time.monotonic()
+    deadline = started + 600
+    while done < total and time.monotonic() < deadline:
+        page = list(next(queue.receive_messages(messages_per_page=32, max_messages=32,
+                                                visibility_timeout=60).by_page(), []))
+        if pool is None:
+            for message in page:
+                queue.delete_message(message)
+        else:
+            list(pool.map(lambda n, page=page: [clients[n].delete_message(m) for m in page[n::threads]],
+                          range(threads)))
+        done += len(page)
+    if pool is not None:
+        pool.shutdown()
+    seconds = time.monotonic() - started
+    left = azurite.count(queue)
+    queue.delete_queue()
+    return {"messages": done, "seconds": round(seconds, 2), "messages_per_s": round(done / seconds, 1),
+            "left_in_queue": left, "preload_s": round(loaded, 1), "delete_threads": threads}
+
+
+def serve_metrics_floor(port: int, rows_file: str) -> None:
+    """(Run as a child.) prometheus_client's own HTTP server with the fleet's two per-VM families built from
+    the same rows, label values computed in advance: the exposition cost without forewarn's view."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import REGISTRY, GaugeMetricFamily
+
+    scope = ["vm", "vm_scale_set", "resource_group", "subscription_id"]
+    info_rows, nb_rows = [], []
+    for row in json.loads(Path(rows_file).read_text()):
+        props = row["properties"]
+        scale_set = row["id"].split("/virtualMachineScaleSets/")[1].split("/")[0]
+        for vm in props["Resources"]:
+            where = [vm, scale_set, row["resourceGroup"], row["subscriptionId"]]
+            info_rows.append([props["EventId"], props["EventType"], props["EventStatus"], props["EventSource"],
+                              props["ResourceType"], "true", props["Description"], *where])
+            nb_rows.append([props["EventId"], props["EventType"], *where])
+
+    class Collector:
+        def collect(self) -> Any:
+            info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event open for a VM (1).",
+                                     labels=["event_id", "event_type", "event_status", "event_source",
+                                             "resource_type", "affects_this_vm", "description", *scope])
+            not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds", "NotBefore.",
+                                           labels=["event_id", "event_type", *scope])
+            for labels in info_rows:
+                info.add_metric(labels, 1)
+            for labels in nb_rows:
+                not_before.add_metric(labels, 1760434200.0)
+            yield info
+            yield not_before
+
+    REGISTRY.register(Collector())
+    start_http_server(port, addr="127.0.0.1")
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def scrape(url: str, scrapes: int, max_seconds: float) -> tuple[dict[str, Any], list[str]]:
+    """`scrapes` sequential scrapes on one kept-alive connection, or as many as fit in `max_seconds`."""
+    session = requests.Session()
+    latencies, texts = [], []
+    deadline = time.monotonic() + max_seconds
+    for _ in range(scrapes):
+        if time.monotonic() > deadline:
+            break
+        started = time.perf_counter()
+        response = session.get(url, timeout=10)
+        response.raise_for_status()
+        latencies.append(time.perf_counter() - started)
+        texts.append(response.text)
+    return summary_ms(latencies) | {"bytes": len(response.content),
+                                    "series": texts[-1].count("\nazure_scheduled_event_info{")}, texts
+
+
+def metrics_floor(rows: list[dict[str, Any]], scrapes: int, max_seconds: float, tmp: Path) -> dict[str, Any]:
+    rows_file = tmp / "rows.json"
+    rows_file.write_text(json.dumps(rows))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-metrics-floor", str(port), str(rows_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                break
+            except requests.RequestException:
+                time.sleep(0.1)
+        result, _ = scrape(f"http://127.0.0.1:{port}/metrics", scrapes, max_seconds)
+        return result
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def agent_idle_rss(tmp: Path, settle: float) -> dict[str, Any]:
+    """The per-VM agent idle, as bench/cost.py and bench/image.py measure it: quiet simulator, file sink."""
+    state = tmp / "agent"
+    proc = subprocess.Popen([str(FOREWARN), "run", "--simulate", "quiet", "--listen-address",
+                             f"127.0.0.1:{free_port()}", "--state-dir", str(state), "--sink",
+                             f"file:{state}/records.jsonl"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(settle)
+        readings = []
+        for _ in range(5):
+            readings.append(rss_mib(proc.pid))
+            time.sleep(1)
+        return {"rss_mib": round(statistics.median(readings), 1), "hwm_mib": round(peak_rss_mib(proc.pid), 1),
+                "settle_s": settle}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+# --- the measurements --------------------------------------------------------------------------------------
+
+def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args: argparse.Namespace,
+                        out: dict[str, Any]) -> None:
+    subs = [subscription(n) for n in range(SUBSCRIPTIONS)]
+    rows = snapshot_rows(SUBSCRIPTIONS, EVENTS, VMS_PER_EVENT)
+    vms = EVENTS * VMS_PER_EVENT
+    arm = ArmPeer(authority, rows=rows)
+    queue = azurite.queue()
+    (tmp / "fleet").mkdir()
+    fleet = Fleet(tmp / "fleet", arm, authority, azurite, queue.queue_name, subs, args.reconcile_interval)
+    try:
+        # -- the first snapshot
+        last = fleet.tail.wait_for(vms, timeout=120)
+        if last is None:
+            raise RuntimeError(f"only {len(fleet.tail.lines)} of {vms} records after 120 s")
+        with arm.received.lock:
+            first_query = arm.received.times[0]
+        first_query_wall = time.time() - (time.monotonic() - first_query)
+        reconcile = None
+        for _ in range(100):  # the gauge is set just after the commit that wrote the records
+            reconcile = fleet.metric(RECONCILE_METRIC)
+            if reconcile is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(args.settle)
+        out["snapshot"] = {
+            "subscriptions": SUBSCRIPTIONS, "events": EVENTS, "vms": vms, "page_rows": PAGE_ROWS,
+            "records": len(fleet.tail.lines), "pages": len(arm.received.times),
+            "reconcile_metric_s": reconcile,
+            "first_query_to_last_record_s": round(last - first_query_wall, 3),
+            "start_to_last_record_s": round(last - fleet.started, 3),
+            "start_to_ready_s": round(fleet.ready - fleet.started, 3),
+            "reconcile_interval_s": args.reconcile_interval,
+        }
+        out["rss"] = {"after_snapshot_mib": round(rss_mib(fleet.pid), 1),
+                      "hwm_after_snapshot_mib": round(peak_rss_mib(fleet.pid), 1), "settle_s": args.settle}
+        print("snapshot:", out["snapshot"], out["rss"], flush=True)
+
+        # -- /metrics with the events open; the gauge read from every scrape gives the later reconciles too
+        summary, texts = scrape(fleet.url, args.scrapes, args.scrape_seconds)
+        values = [reconcile]  # each later snapshot shows as a new value of the gauge
+        for value in (fleet.metric(RECONCILE_METRIC, text) for text in texts):
+            if value is not None and value != values[-1]:
+                values.append(value)
+        out["metrics"] = summary
+        out["snapshot"]["reconcile_metric_values_s"] = values
+        print("metrics:", summary, flush=True)
+
+        # -- the paced stream, RSS sampled meanwhile
+        before = len(fleet.tail.lines)
+        reset = reset_peak_rss(fleet.pid)
+        rss_samples: list[float] = []
+        sent: dict[str, float] = {}
+        total = int(args.rate * args.stream_seconds)
+        start = time.monotonic() + 0.5
+        sender = azurite.queue(queue.queue_name)
+        for n in range(total):
+            due = start + n / args.rate
+            while (wait := due - time.monotonic()) > 0:
+                time.sleep(min(wait, 0.01))
+            stamp = time.time()
+            sender.send_message(stream_message(n, stamp, "st"))
+            sent[f"{stamp:.6f}"] = stamp
+            if n % max(1, int(args.rate / 4)) == 0:
+                rss_samples.append(rss_mib(fleet.pid))
+        stream_end = time.monotonic()
+        # Every stream event's "added" record, each matched by its stamp (other lines arrive too: later
+        # snapshots end the stream's events, which they do not list, with "removed" records).
+        latencies, arrivals = [], []
+        seen, deadline = before, stream_end + args.drain_seconds
+        while sent and time.monotonic() < deadline:
+            lines = fleet.tail.lines[seen:]
+            seen += len(lines)
+            for arrived, line in lines:
+                if SENT.encode() not in line:
+                    continue
+                record = json.loads(line)
+                stamp = record["data"]["event"]["Description"][len(SENT):]
+                if record["data"]["change"] == "added" and stamp in sent:
+                    latencies.append(arrived - sent.pop(stamp))
+                    arrivals.append(arrived)
+            time.sleep(0.05)
+        if not latencies:
+            raise RuntimeError(f"no stream record within {args.drain_seconds:g} s")
+        out["latency"] = summary_ms(latencies) | {
+            "rate_per_s": args.rate, "seconds": args.stream_seconds, "sent": total, "missing": len(sent),
+            "waited_up_to_s": args.drain_seconds,
+            "records_per_s": round((len(arrivals) - 1) / (max(arrivals) - min(arrivals)), 1)
+            if len(arrivals) > 1 else None,
+            "sending_took_s": round(stream_end - start, 2)}
+        out["rss"] |= {"stream_max_rss_mib": round(max(rss_samples), 1), "stream_samples": len(rss_samples),
+                       "stream_hwm_mib": round(peak_rss_mib(fleet.pid), 1) if reset else None,
+                       "rss_after_stream_mib": round(rss_mib(fleet.pid), 1)}
+        print("latency:", out["latency"], out["rss"], flush=True)
+        out["snapshot"]["last_reconcile_metric_s"] = fleet.metric(RECONCILE_METRIC)
+    finally:
+        code = fleet.stop()
+        out["exit_code_fleet"] = code
+        arm.stop()
+    # floors, on the same stand-in data, after the service is gone
+    arm = ArmPeer(authority, rows=rows)
+    try:
+        out["snapshot"]["floor"] = paging_floor(arm, authority, subs, args.floor_reads)
+    finally:
+        arm.stop()
+    print("paging floor:", out["snapshot"]["floor"], flush=True)
+    out["metrics"]["floor"] = metrics_floor(rows, args.scrapes, args.scrape_seconds, tmp)
+    print("metrics floor:", out["metrics"]["floor"], flush=True)
+
+
+def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse.Namespace) -> dict[str, Any]:
+    queue = azurite.queue()
+    loaded = preload(azurite, queue.queue_name, args.messages, "tp")
+    (tmp / "throughput").mkdir()
+    fleet = Fleet(tmp / "throughput", None, authority, azurite, queue.queue_name, [], 0)
+    try:
+        last = fleet.tail.wait_for(args.messages, timeout=args.throughput_seconds)
+        empty = None
+        for _ in range(600 if last is not None else 0):  # the last delete follows the last commit
+            if azurite.count(queue) == 0:
+                empty = time.time()
+                break
+            time.sleep(0.05)
+        lines = list(fleet.tail.lines)
+        first = lines[0][0]
+        done = max(last, empty or last) if last is not None else time.time()
+        # records per second in slices of a fifth of the messages: the rate as the tracker's state grows
+        step = max(1, args.messages // 5)
+        slices = [round(step / (lines[end - 1][0] - lines[end - step][0]), 1)
+                  for end in range(step, len(lines) + 1, step) if lines[end - 1][0] > lines[end - step][0]]
+        result = {
+            "messages": args.messages, "records": len(lines), "finished": last is not None,
+            "queue_empty": empty is not None, "bounded_at_s": args.throughput_seconds,
+            "start_to_done_s": round(done - fleet.started, 2), "ready_to_done_s": round(done - fleet.ready, 2),
+            "first_to_last_record_s": round(lines[-1][0] - first, 2),
+            "messages_per_s": round(len(lines) / (done - fleet.ready), 1),
+            "records_per_s_by_fifth": slices, "left_in_queue": azurite.count(queue),
+            "rss_mib": round(rss_mib(fleet.pid), 1), "hwm_mib": round(peak_rss_mib(fleet.pid), 1),
+            "preload_s": round(loaded, 1),
+        }
+    finally:
+        result_code = fleet.stop()
+    result["exit_code"] = result_code
+    print("throughput:", result, flush=True)
+    result["floor"] = queue_floor(azurite, args.messages)
+    print("queue floor:", result["floor"], flush=True)
+    result["floor_parallel"] = queue_floor(azurite, args.messages, threads=8)
+    print("queue floor, 8 deletes at once:", result["floor_parallel"], flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer scrapes and messages")
+    parser.add_argument("--serve-metrics-floor", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_metrics_floor:
+        serve_metrics_floor(int(args.serve_metrics_floor[0]), args.serve_metrics_floor[1])
+        return
+    args.scrapes = 60 if args.quick else 300
+    args.scrape_seconds = 60.0 if args.quick else 150.0
+    args.drain_seconds = 90.0 if args.quick else 300.0
+    args.throughput_seconds = 120.0 if args.quick else 300.0
+    args.rate = 50.0
+    args.stream_seconds = 8.0 if args.quick else 30.0
+    args.messages = 1000 if args.quick else 5000
+    args.floor_reads = 3 if args.quick else 10
+    args.settle = 2.0 if args.quick else 5.0
+    args.reconcile_interval = 30.0
+    out: dict[str, Any] = {**header(), "quick": args.quick, "load_average_at_start": os.getloadavg()}
+    authority = Authority("fleet-bench-ca")
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        azurite = Azurite(tmp / "azurite")
+        try:
+            snapshot_and_stream(tmp, authority, azurite, args, out)
+            out["throughput"] = throughput(tmp, authority, azurite, args)
+        finally:
+            azurite.stop()
+        out["rss"]["per_vm_agent_idle"] = agent_idle_rss(tmp, 5.0 if args.quick else 15.0)
+    out["load_average_at_end"] = os.getloadavg()
+    write_results("fleet", out)
+
+
+if __name__ == "__main__":
+    main()
