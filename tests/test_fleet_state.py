@@ -1,17 +1,22 @@
-"""The fleet tracker saved as text and read back: the same open events, the same ended ones, so a restart
-reports nothing twice; a damaged or hostile saved state is refused with a clear error, never trusted."""
+"""The fleet tracker saved one row per event in the outbox's transaction, and read back: the same open events,
+the same ended ones, so a restart reports nothing twice; each commit writes only what its changes touched; a
+damaged or hostile row is refused through the feeds' boundary and left out, the rest kept."""
 
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
+from forewarn.fleet import tracker as tracker_module
 from forewarn.fleet.feed import FleetEvent
-from forewarn.fleet.state import StateError, dump, load
-from forewarn.fleet.tracker import FleetTracker
+from forewarn.fleet.state import ENDED, OPEN, PREFIX, all_rows, changed_state, load, row_key
+from forewarn.fleet.tracker import FleetTracker, event_key
 from forewarn.imds.document import Event
+from forewarn.outbox.outbox import Outbox
 
 SUB = "11111111-2222-3333-4444-555555555555"
 VMSS = f"/subscriptions/{SUB}/resourceGroups/rg-a/providers/Microsoft.Compute/virtualMachineScaleSets/pool"
@@ -28,39 +33,64 @@ def news(status: str, event_id: str, delivery: str | None = None) -> FleetEvent:
                       event_time=datetime(2026, 11, 24, 10, 0, 0, 123456, tzinfo=timezone.utc))
 
 
-def test_a_restart_from_the_saved_state_reports_nothing_twice() -> None:
+def commit(outbox: Outbox, tracker: FleetTracker, *events: FleetEvent) -> dict[str, str | None]:
+    changes = [change for event in events for change in tracker.apply(event, now=1)]
+    rows = changed_state(changes, tracker)
+    outbox.append([], state=rows)
+    return rows
+
+
+def test_a_restart_from_the_saved_rows_reports_nothing_twice(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, ["stdout"])
     tracker = FleetTracker()
-    tracker.apply(news("Scheduled", "E-open", delivery="d-1"), now=1)
-    tracker.apply(news("Started", "E-started"), now=1)
-    tracker.apply(news("Canceled", "E-ended"), now=1)
-    again = load(dump(tracker), now=5)
-    assert [e.event_id for e in again.open_events] == ["E-open", "E-started"]
-    restored = again.open_events[0]
-    original = tracker.open_events[0]
+    commit(outbox, tracker, news("Scheduled", "E-open", delivery="d-1"), news("Started", "E-started"))
+    rows = commit(outbox, tracker, news("Canceled", "E-ended"), news("Scheduled", "E-gone"))
+    assert set(rows) == {row_key(ENDED, event_key(news("Canceled", "E-ended"))),
+                         row_key(OPEN, event_key(news("Scheduled", "E-gone")))}  # only what changed
+    rows = commit(outbox, tracker, news("Completed", "E-gone"))
+    assert rows[row_key(OPEN, event_key(news("Completed", "E-gone")))] is None       # its row removed
+    outbox.close()
+    again = load(Outbox(tmp_path, ["stdout"]).load_states(PREFIX), now=5)
+    assert sorted(e.event_id for e in again.open_events) == ["E-open", "E-started"]
+    restored = next(e for e in again.open_events if e.event_id == "E-open")
+    original = next(e for e in tracker.open_events if e.event_id == "E-open")
     assert restored == original  # the same resource, event (fields and raw), feed, delivery id, time
     assert dict(restored.event.raw) == dict(original.event.raw)
     assert again.apply(news("Scheduled", "E-open"), now=6) == []
     assert again.apply(news("Canceled", "E-ended"), now=6) == []
+    assert again.apply(news("Completed", "E-gone"), now=6) == []
     assert [str(c.kind) for c in again.apply(news("Completed", "E-started"), now=6)] == ["removed"]
+
+
+def test_ended_events_the_memory_lets_go_leave_the_saved_state(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracker_module, "MAX_ENDED", 2)
+    outbox = Outbox(tmp_path, ["stdout"])
+    tracker = FleetTracker()
+    for n in range(4):
+        commit(outbox, tracker, news("Canceled", f"E-{n}"))
+    saved = outbox.load_states(ENDED)
+    assert sorted(key.rsplit("\n", 1)[1] for key in saved) == ["e-2", "e-3"]
+    outbox.close()
 
 
 @pytest.mark.parametrize("text, says", [
     ("not json", "saved fleet state"),
-    (json.dumps({"format": 99, "open": [], "ended": []}), "format"),
-    (json.dumps({"format": 1, "open": {}, "ended": []}), "lists"),
-    (json.dumps({"format": 1, "open": [7], "ended": []}), "open[0]"),
-    (json.dumps({"format": 1, "open": [{"id": "/not/an/arm/id", "properties": {}}], "ended": []}), "open[0]"),
-    (json.dumps({"format": 1, "open": [], "ended": [["only-one"]]}), "ended[0]"),
-    ('{"format": 1, "open": [], "ended": [], "x": NaN}', "saved fleet state"),
-    ("[" * 100_000, "saved fleet state"),
+    (json.dumps([1]), "not an object"),
+    (json.dumps({"id": "/not/an/arm/id", "properties": {}}), "left out"),
+    ('{"id": "x", "properties": {"DurationInSeconds": NaN}}', "left out"),
+    ("[" * 100_000, "left out"),
+    (json.dumps({**json.loads(all_rows(FleetTracker([news("Scheduled", "E-x")]))[
+        row_key(OPEN, event_key(news("Scheduled", "E-x")))] or "{}"), "feed": "somewhere"}), "wrong kind"),
 ])
-def test_a_damaged_saved_state_is_refused_with_a_clear_error(text: str, says: str) -> None:
-    with pytest.raises(StateError, match=says.replace("[", r"\[")):
-        load(text, now=0)
-
-
-def test_a_saved_event_with_a_wrong_feed_is_refused() -> None:
-    saved = json.loads(dump(FleetTracker([news("Scheduled", "E-1")])))
-    saved["open"][0]["feed"] = "somewhere"
-    with pytest.raises(StateError, match="open"):
-        load(json.dumps(saved), now=0)
+def test_a_damaged_row_is_left_out_with_a_clear_error_and_the_rest_is_kept(
+        text: str, says: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, "forewarn.fleet.state")
+    good = all_rows(FleetTracker([news("Scheduled", "E-good")], [("r", "e")]))
+    tracker = load({**{k: v for k, v in good.items() if v is not None}, f"{OPEN}bad\nrow": text,
+                    f"{ENDED}no-event-id": ""}, now=0)
+    assert [e.event_id for e in tracker.open_events] == ["E-good"]
+    assert tracker.ended_keys == [("r", "e")]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "saved fleet state: row 'fleet:open:bad\\nrow' left out" in messages, messages
+    assert "fleet:ended:no-event-id" in messages and says in messages, messages

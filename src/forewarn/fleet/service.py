@@ -31,7 +31,7 @@ from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, redact_ur
 from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_records
-from forewarn.fleet.state import STATE_KEY, StateError, dump, load
+from forewarn.fleet.state import PREFIX, changed_state, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
@@ -47,6 +47,10 @@ from forewarn.web.setup import web_gate, web_server
 
 log = logging.getLogger(__name__)
 
+
+
+#: Changes committed in one transaction at most (a first snapshot of a large fleet is thousands).
+COMMIT_SLICE = 500
 
 
 class NotActive(Exception):
@@ -65,27 +69,20 @@ class FleetCommitter:
         self.clock = clock
         self.active = active
         self._lock = threading.Lock()
-        self._saved = self._load()
-        self.tracker = self._restore(self._saved)
+        self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events)
 
-    def _load(self) -> str | None:
+    def _restore(self) -> FleetTracker:
+        """The tracker as last committed (at start, and after a commit that failed)."""
         try:
-            return self.outbox.load_state(STATE_KEY)
+            rows = self.outbox.load_states(PREFIX)
         except StoreError as exc:
             log.error("cannot read the saved fleet state (%s); starting without it", exc)
-            return None
-
-    def _restore(self, saved: str | None) -> FleetTracker:
-        if saved is None:
             return FleetTracker()
-        try:
-            tracker = load(saved, now=self.clock())
-        except StateError as exc:
-            log.error("%s; starting without it", exc)
-            return FleetTracker()
-        log.info("resuming from saved state: %d open event(s), %d ended remembered",
-                 len(tracker.open_events), len(tracker.ended_keys))
+        tracker = load(rows, now=self.clock())
+        if rows:
+            log.info("resuming from saved state: %d open event(s), %d ended remembered",
+                     len(tracker.open_events), len(tracker.ended_keys))
         return tracker
 
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
@@ -118,16 +115,19 @@ class FleetCommitter:
         if not changes:
             return
         observed_at = datetime.fromtimestamp(now, tz=timezone.utc)
-        records = [record for change in changes for record in change_records(change, observed_at)]
-        state = dump(self.tracker)
-        try:
-            self.outbox.append(records, state={STATE_KEY: state})
-        except Exception:
-            # Nothing was committed: go back to the last committed state, so the same news, delivered
-            # again (the queue message was not deleted), is a change again and is not lost.
-            self.tracker = self._restore(self._saved)
-            raise
-        self._saved = state
+        # A large snapshot goes in slices, each with its own records and rows: the memory of one slice at a
+        # time, and a stop between two slices leaves a consistent state (what was not committed is news again).
+        for start in range(0, len(changes), COMMIT_SLICE):
+            part = changes[start:start + COMMIT_SLICE]
+            records = [record for change in part for record in change_records(change, observed_at)]
+            try:
+                self.outbox.append(records, state=changed_state(part, self.tracker))
+            except Exception:
+                # Not committed: back to the committed state, so the same news, delivered again (the queue
+                # message was not deleted), is a change again and is not lost.
+                self.tracker = self._restore()
+                self.metrics.events_now(self.tracker.open_events)
+                raise
         for change in changes:
             event = change.event.event
             log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
@@ -209,25 +209,30 @@ class QueueReader:
     committer: FleetCommitter
     metrics: FleetMetrics
 
+    def _commit_then_delete(self, deliveries: Sequence[Any]) -> None:
+        """The events of one receive committed in one transaction, then each message deleted: a message
+        leaves the queue only once its change is on disk, and a receive of 32 costs one commit, not 32."""
+        now = time.time()
+        events = [event for delivery in deliveries for event in delivery.events]
+        try:
+            self.committer.news(events)
+        except NotActive:
+            return  # the term is over: the messages come back to the active replica
+        except Exception:
+            log.exception("cannot commit %d queue message(s); they stay in the queue", len(deliveries))
+            return
+        for delivery in deliveries:
+            self.source.delete(delivery)
+        times = [event.event_time.timestamp() for event in events if event.event_time is not None]
+        if times:
+            self.metrics.feed_lag.set(max(0.0, now - max(times)))
+
     def run(self, stop: threading.Event) -> None:
         counted = {"received": 0, "deleted": 0, "poisoned": 0, "unreadable": 0}
         while not stop.is_set():
             deliveries = self.source.poll(stop)
-            for delivery in deliveries:
-                if stop.is_set():
-                    break  # not deleted: the message comes back to whoever runs next
-                now = time.time()
-                try:
-                    self.committer.news(delivery.events)
-                except NotActive:
-                    break  # the term is over: the message comes back to the active replica
-                except Exception:
-                    log.exception("cannot commit queue message %s; it stays in the queue", delivery.message_id)
-                    continue
-                self.source.delete(delivery)
-                times = [e.event_time.timestamp() for e in delivery.events if e.event_time is not None]
-                if times:
-                    self.metrics.feed_lag.set(max(0.0, now - max(times)))
+            if deliveries and not stop.is_set():
+                self._commit_then_delete(deliveries)
             stats = self.source.stats
             for result, total in (("received", stats.received), ("deleted", stats.deleted),
                                   ("poisoned", stats.poisoned), ("unreadable", stats.parse_failures)):

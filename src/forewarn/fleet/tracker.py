@@ -100,6 +100,7 @@ class FleetTracker:
         self._open: dict[tuple[str, str], _Open] = {event_key(e): _Open(e, now) for e in open_events}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict((key, None) for key in ended)
         self._deliveries: OrderedDict[str, None] = OrderedDict()
+        self._forgotten: list[tuple[str, str]] = []  # ended events pushed out of memory since the last take
         self.duplicates = 0      # deliveries dropped by id
         self.stale = 0           # news that would have moved an event backwards, or came after its end
 
@@ -119,7 +120,7 @@ class FleetTracker:
             if event.delivery_id in self._deliveries:
                 self.duplicates += 1
                 return []
-            self._remember(self._deliveries, event.delivery_id, MAX_DELIVERY_IDS)
+            self._remember(self._deliveries, event.delivery_id, MAX_DELIVERY_IDS)  # not saved: nothing to drop
         key = event_key(event)
         if key in self._ended:
             self.stale += 1
@@ -177,13 +178,21 @@ class FleetTracker:
                 changes.append(FleetChange(ChangeKind.REMOVED, last, last, outcome, EndedBy.MISSING))
         return changes
 
+    def take_forgotten(self) -> list[tuple[str, str]]:
+        """The ended events pushed out of the bounded memory since the last call (to drop from saved state)."""
+        forgotten, self._forgotten = self._forgotten, []
+        return forgotten
+
     # --- bounded memories ---------------------------------------------------------------------------
     def _end(self, key: tuple[str, str]) -> None:
-        self._remember(self._ended, key, MAX_ENDED)
+        self._forgotten += self._remember(self._ended, key, MAX_ENDED)
 
     @staticmethod
-    def _remember(memory: OrderedDict[K, None], key: K, limit: int) -> None:
+    def _remember(memory: OrderedDict[K, None], key: K, limit: int) -> list[K]:
+        """Remember `key` (as the newest); returns the oldest keys let go to stay within `limit`."""
         memory[key] = None
         memory.move_to_end(key)
+        let_go = []
         while len(memory) > limit:
-            memory.popitem(last=False)
+            let_go.append(memory.popitem(last=False)[0])
+        return let_go

@@ -99,10 +99,14 @@ class Outbox:
         """The state last appended under `key` with its records (None when none was); raises StoreError."""
         return self._store.load_state(key)
 
+    def load_states(self, prefix: str) -> dict[str, str]:
+        """Every state saved under a key starting with `prefix`; raises StoreError."""
+        return self._store.states(prefix)
+
     def append(self, records: Sequence[Record], document: Document | None = None,
-               state: Mapping[str, str] | None = None) -> int:
-        """Add records, and `document` (or `state`, text by key) as the saved state when given, in one
-        transaction; then wake the workers. Returns how many of the oldest records were dropped to stay
+               state: Mapping[str, str | None] | None = None) -> int:
+        """Add records, and `document` (or `state`, text by key; None removes a key) as the saved state when
+        given, in one transaction; then wake the workers. Returns how many of the oldest records were dropped to stay
         within `max_records`.
 
         Only the loop that owns the state passes it (the poll loop its document, fleet mode its tracker):

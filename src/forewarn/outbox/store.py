@@ -171,19 +171,21 @@ class Store:
             raise StoreError(f"cannot read state: {exc}") from exc
         return None if row is None else str(row[0])
 
-    def states(self) -> dict[str, str]:
-        """Every saved state but the document, to carry them over to another store."""
+    def states(self, prefix: str = "") -> dict[str, str]:
+        """Every saved state but the document whose key starts with `prefix` (all of them by default, to
+        carry them over to another store)."""
         try:
             with self._use() as conn:
-                rows = conn.execute("SELECT key, value FROM state WHERE key != 'document'").fetchall()
+                rows = conn.execute("SELECT key, value FROM state WHERE key != 'document' AND substr(key, 1, ?) = ?",
+                                    (len(prefix), prefix)).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read state: {exc}") from exc
         return {str(key): str(value) for key, value in rows}
 
     def commit(self, document: Document | None, records: Sequence[Record],
-               state: Mapping[str, str] | None = None) -> int:
-        """Write `records` to the outbox, `document` as the state and each of `state` under its key, in one
-        transaction.
+               state: Mapping[str, str | None] | None = None) -> int:
+        """Write `records` to the outbox, `document` as the state and each of `state` under its key (None
+        deletes the key), in one transaction.
 
         Returns how many old records were dropped to keep the outbox within `max_records`. Raises
         StoreError (and writes nothing) when the disk is full or the file is not writable.
@@ -197,11 +199,14 @@ class Store:
             return self._enforce_bound(conn)
 
     @staticmethod
-    def _save_states(conn: sqlite3.Connection, state: Mapping[str, str] | None) -> None:
+    def _save_states(conn: sqlite3.Connection, state: Mapping[str, str | None] | None) -> None:
         for key, value in (state or {}).items():
             if key == "document":
                 raise ValueError("the key 'document' is the IMDS document's")
-            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", (key, value))
+            if value is None:
+                conn.execute("DELETE FROM state WHERE key = ?", (key,))
+            else:
+                conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", (key, value))
 
     @staticmethod
     def _save_document(conn: sqlite3.Connection, document: Document | None) -> None:
@@ -261,7 +266,7 @@ class Store:
         return [(int(a), str(b), float(c)) for a, b, c in rows], {str(k): int(v) for k, v in cursors.items()}
 
     def adopt(self, rows: Sequence[tuple[int, str, float]], cursors: dict[str, int],
-              document: Document | None, state: Mapping[str, str] | None = None) -> None:
+              document: Document | None, state: Mapping[str, str | None] | None = None) -> None:
         """Replace this store's outbox and state with another store's (see `dump`), in one transaction.
 
         Sequence numbers and cursors are kept as they were, so each sink resumes where it stood.
