@@ -32,6 +32,7 @@ from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
 from forewarn.outbox.store import Backlog
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
+_EOF = b"# EOF\n"
 PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
 OPEN_STATUSES = ("Scheduled", "Started")
 
@@ -45,6 +46,7 @@ class SourceHealth:
 @dataclass(frozen=True)
 class FleetView:
     events: tuple[FleetEvent, ...] = ()
+    events_version: int = 0  # raised with every change of `events`: the key of the rendering cache
     sources: dict[str, SourceHealth] = field(default_factory=dict)
     backlogs: dict[str, Backlog] = field(default_factory=dict)
     quota_remaining: float | None = None
@@ -60,6 +62,9 @@ class FleetMetrics:
         self.active: Callable[[], bool] = lambda: True
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._cached_key: tuple[object, object] | None = None
+        self._cached_text = b""
         self._view = FleetView(sources={name: SourceHealth() for name in sources})
         self.views = self  # what the delivery workers report backlogs to (DeliveryMetrics)
         r = self.registry
@@ -108,7 +113,7 @@ class FleetMetrics:
 
     def events_now(self, events: Sequence[FleetEvent]) -> None:
         with self._lock:
-            self._view = replace(self._view, events=tuple(events))
+            self._view = replace(self._view, events=tuple(events), events_version=self._view.events_version + 1)
 
     def source_succeeded(self, source: str, at: float) -> None:
         with self._lock:
@@ -142,19 +147,29 @@ class FleetMetrics:
         return max(times) if times else None
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
-        """The exposition in the format the Accept header asks for (text, or OpenMetrics)."""
+        """The exposition in the format the Accept header asks for (text, or OpenMetrics): the open events'
+        families from a cache kept until they change (20,000 series for 2,000 events on 5 VMs each take
+        about half a second to render), then the live families, fresh."""
         encoder, content_type = choose_encoder(accept)
-        return encoder(self.registry), content_type
+        view = self._view
+        with self._render_lock:
+            if self._cached_key != (view.events_version, encoder):
+                registry = CollectorRegistry(auto_describe=True)
+                registry.register(_EventFamilies(view.events))
+                text = encoder(registry)
+                self._cached_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
+                self._cached_key = (view.events_version, encoder)
+            cached = self._cached_text
+        return cached + encoder(self.registry), content_type
 
 
-class _ViewCollector:
-    """The families computed from the view at scrape time."""
+class _EventFamilies:
+    """The families of the open events, rendered once per change of the events (FleetMetrics.render)."""
 
-    def __init__(self, metrics: FleetMetrics) -> None:
-        self._metrics = metrics
+    def __init__(self, events: Sequence[FleetEvent]) -> None:
+        self._events = events
 
     def collect(self) -> Iterator[Metric]:
-        view = self._metrics.view
         scope = ["vm", "vm_scale_set", "resource_group", "subscription_id"]
         info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event open for a VM (1).",
                                  labels=["event_id", "event_type", "event_status", "event_source", "resource_type",
@@ -164,7 +179,7 @@ class _ViewCollector:
                                        labels=["event_id", "event_type", *scope])
         totals: Tally[tuple[str, str, str]] = Tally()
         by_scope: Tally[tuple[str, str, str, str]] = Tally()
-        for fleet_event in view.events:
+        for fleet_event in self._events:
             event = fleet_event.event
             totals[(event.event_type, event.status, event.source or "")] += 1
             by_scope[(event.event_type, event.status, fleet_event.subscription_id, fleet_event.resource_group)] += 1
@@ -192,6 +207,16 @@ class _ViewCollector:
         for scope_key, count in sorted(by_scope.items()):
             scoped.add_metric(list(scope_key), count)
         yield scoped
+
+
+class _ViewCollector:
+    """The families computed from the view at scrape time: health, delivery, the replica's role."""
+
+    def __init__(self, metrics: FleetMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._metrics.view
         up = GaugeMetricFamily("azure_scheduled_events_source_up", "1 if the source's last read succeeded.",
                                labels=["source"])
         last = GaugeMetricFamily("azure_scheduled_events_source_last_success_timestamp_seconds",
