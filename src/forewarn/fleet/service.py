@@ -408,7 +408,8 @@ def build_queue(settings: FleetSettings) -> Any:
     except ImportError as exc:
         raise ConfigError(f"--queue-url needs azure-storage-queue: pip install 'forewarn[fleet]' ({exc})") from None
     assert settings.queue_url is not None
-    options = QueueOptions(visibility_timeout=round(settings.queue_visibility_timeout))
+    options = QueueOptions(visibility_timeout=round(settings.queue_visibility_timeout),
+                           poll_interval=settings.queue_poll_interval)
     if settings.queue_connection_string:
         name = settings.queue_url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
         return QueueSource.from_connection_string(settings.queue_connection_string, name, options)
