@@ -86,7 +86,7 @@ class Fleet:
         self.env = {**os.environ, "REQUESTS_CA_BUNDLE": str(bundle), **(env or {})}
         if arm is not None and resource_graph:
             self.argv += [*[arg for sub in SUBS for arg in ("--subscription", sub)], "--arm-endpoint", arm.base,
-                          "--arm-client-id", CLIENT_ID, "--arm-timeout", "5", "--reconcile-interval", "1"]
+                          "--arm-client-id", CLIENT_ID, "--arm-timeout", "30", "--reconcile-interval", "1"]
             self.env["AZURE_POD_IDENTITY_AUTHORITY_HOST"] = arm.base
         if azurite is not None and queue is not None:
             self.argv += ["--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue}",

@@ -18,7 +18,7 @@ from forewarn import __version__
 from forewarn.config import ConfigError, Settings, redact_url
 from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
-from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
+from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox
 from forewarn.poller import OutboxMetrics, Poller
 from forewarn.records import Record
@@ -100,12 +100,7 @@ def run_agent(settings: Settings) -> int:
         collector.run(stop)
     finally:
         stop.set()
-        # All sinks drain at once, so --drain-timeout bounds the whole stop, however many sinks hang.
-        for name in stop_workers(workers, settings.drain_timeout):
-            log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
-                        "and are delivered after the next start", name, settings.drain_timeout)
-        for name in close_sinks(sinks):
-            log.warning("sink %s did not close within 1 s; leaving it", name)
+        finish_delivery(workers, sinks, settings.drain_timeout)
         if approver is not None:
             approver.close()
         outbox.close()

@@ -34,7 +34,7 @@ from forewarn.fleet.records import change_records
 from forewarn.fleet.state import PREFIX, changed_state, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker
 from forewarn.logs import StateLog
-from forewarn.outbox.delivery import DeliveryWorker, close_sinks, stop_workers
+from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox, StoreError
 from forewarn.poller import OutboxMetrics
 from forewarn.signals import handle_signals, ignore_stop_signals
@@ -319,11 +319,7 @@ def run_fleet(settings: FleetSettings) -> int:
         if lease_thread is not None:  # it ends the term and releases the Lease, so a successor starts at once
             lease_thread.join(STOP_WAIT + settings.lease_seconds / 3 + 1)
         term.stop()
-        for name in stop_workers(workers, settings.drain_timeout):
-            log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
-                        "and are delivered after the next start", name, settings.drain_timeout)
-        for name in close_sinks(sinks):
-            log.warning("sink %s did not close within 1 s; leaving it", name)
+        finish_delivery(workers, sinks, settings.drain_timeout)
         for close in closers:
             try:
                 close()

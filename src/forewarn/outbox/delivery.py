@@ -179,3 +179,13 @@ def close_sinks(sinks: Sequence[Sink], timeout: float = 1.0) -> list[str]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return [sink.name for sink, thread in zip(sinks, threads, strict=True) if thread.is_alive()]
+
+
+def finish_delivery(workers: Sequence[DeliveryWorker], sinks: Sequence[Sink], drain_timeout: float) -> None:
+    """At stop: drain every sink at once within `drain_timeout` (so it bounds the whole stop, however many sinks
+    hang), then close them, saying which did not finish; what was not delivered stays in the outbox."""
+    for name in stop_workers(workers, drain_timeout):
+        log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
+                    "and are delivered after the next start", name, drain_timeout)
+    for name in close_sinks(sinks):
+        log.warning("sink %s did not close within 1 s; leaving it", name)
