@@ -109,6 +109,9 @@ def test_a_freeze_evicts_only_the_pod_that_cannot_pause_then_approves_and_lifts_
     assert APPLIED not in node["metadata"].get("annotations", {})
     assert pod_names(api) == {"web-1", "agent-1"}
     wait_until(lambda: any(r["data"]["change"] == "removed" for r in proc.records()), timeout=10)
+    # the undo's record is written by the approver's thread, after the taint is gone: wait for it too
+    wait_until(lambda: any(r["data"].get("action") == "undo" for r in proc.records()), timeout=10,
+               message="the undo's record")
     changes = [(r["data"]["change"], r["data"].get("action"), r["data"].get("result")) for r in proc.records()]
     assert changes.index(("node_action", "drain", "ok")) < changes.index(("approved", None, None)), changes
     (drained,) = [r["data"]["detail"] for r in proc.records() if r["data"].get("action") == "drain"]
