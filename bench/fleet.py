@@ -61,10 +61,13 @@ from common import (
 from peers.arm import ArmPeer
 from peers.pki import Authority
 
+# Azurite as the queue tests run it (tests/ is on sys.path through common).
+_queue_tests = importlib.import_module("test_fleet_queue")
+AZURITE, TestAzurite, count_messages = _queue_tests.AZURITE, _queue_tests.Azurite, _queue_tests.count
+
 #: The payload builders of the fleet tests, importable once common has put tests/ on the path.
 samples = importlib.import_module("fleet_samples")
 ROOT = BENCH.parent
-AZURITE = ROOT / "tests" / "azurite" / "node_modules" / "azurite" / "dist" / "src" / "queue" / "main.js"
 FOREWARN = Path(sys.executable).parent / "forewarn"
 CLIENT_ID = "00000000-0000-0000-0000-00000000c11d"
 RECONCILE_METRIC = "azure_scheduled_events_reconcile_duration_seconds"
@@ -105,53 +108,27 @@ def stream_message(n: int, sent: float, prefix: str) -> str:
 
 # --- peers and the service ---------------------------------------------------------------------------------
 
-class Azurite:
-    """azurite-queue on a loopback port (as tests/test_fleet_queue.py runs it)."""
+class Azurite(TestAzurite):
+    """azurite-queue on a loopback port, started and stopped as tests/test_fleet_queue.py does; queues with the
+    benchmark's longer read timeout, and existing ones opened without creating them again."""
 
     def __init__(self, location: Path) -> None:
         node = shutil.which("node")
         if node is None or not AZURITE.is_file():
             raise SystemExit("Azurite is needed: install Node.js and run `npm ci --prefix tests/azurite`")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [node, str(AZURITE), "--queueHost", "127.0.0.1", "--queuePort", str(self.port), "--location",
-             str(location), "--skipApiVersionCheck", "--disableTelemetry", "--silent"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                requests.get(f"http://127.0.0.1:{self.port}/", timeout=0.5)
-                return
-            except requests.RequestException:
-                time.sleep(0.1)
-        raise RuntimeError("Azurite did not start")
+        super().__init__(node, location)
 
-    @property
-    def connection_string(self) -> str:
-        from test_fleet_queue import ACCOUNT, ACCOUNT_KEY
-
-        return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
-                f"QueueEndpoint=http://127.0.0.1:{self.port}/{ACCOUNT};")
-
-    def queue(self, name: str | None = None) -> Any:
+    def queue(self, name: str | None = None, create: bool = True) -> Any:
         from azure.storage.queue import QueueClient
 
         client = QueueClient.from_connection_string(self.connection_string, name or "q" + uuid.uuid4().hex[:12],
                                                     connection_timeout=5, read_timeout=10)
-        if name is None:
+        if name is None and create:
             client.create_queue()
         return client
 
     def count(self, queue: Any) -> int:
-        return int(queue.get_queue_properties().approximate_message_count or 0)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        return count_messages(queue)
 
 
 def preload(azurite: Azurite, queue_name: str, total: int, prefix: str) -> float:
