@@ -1,13 +1,16 @@
-"""Fleet mode's metrics: the per-VM agent's families with the VM and its scope as labels, and source health.
+"""Fleet mode's metrics: the per-VM agent's event families with the VM's place as labels, and source health.
 
-Per event and VM (present while the event is open): `azure_scheduled_event_info` and
-`azure_scheduled_event_not_before_timestamp_seconds`, with the per-VM agent's labels plus `vm`,
-`vm_scale_set`, `resource_group` and `subscription_id` (`affects_this_vm` is always "true": a fleet series
-is about a VM the event acts on). Aggregates: `azure_scheduled_events{event_type, event_status,
-event_source}` counts events (not VMs) as the per-VM agent does, and `azure_scheduled_events_by_scope`
-the same by `subscription_id` and `resource_group`. Counters and delivery families keep their names.
-Source health is new: `azure_scheduled_events_source_up{source}`, `..._source_last_success_timestamp_seconds`,
-the queue's message counts, Resource Graph's quota and the last reconcile's duration.
+Per event and VM (present while the event is open): the families of forewarn.metrics.events, the very code
+that renders the per-VM agent's (`azure_scheduled_event_info`, `..._not_before_timestamp_seconds`,
+`..._duration_seconds`, `..._status_since_timestamp_seconds`), with `vm`, `vm_scale_set`, `resource_group` and
+`subscription_id` added (`affects_this_vm` is always "true": a fleet series is about a VM the event acts on).
+The per-VM agent's scrape-time countdown is left out: at 10,000 series it would be rendered at every scrape;
+`not_before_timestamp_seconds - time()` in PromQL gives it. Aggregates: `azure_scheduled_events{event_type,
+event_status, event_source}` counts events (not VMs) as the per-VM agent does, and
+`azure_scheduled_events_by_scope` the same by `subscription_id` and `resource_group`. Counters and delivery
+families keep their names. Source health is new: `azure_scheduled_events_source_up{source}`,
+`..._source_last_success_timestamp_seconds`, the queue's message counts, Resource Graph's quota and the last
+reconcile's duration.
 
 The scrape reads an immutable snapshot that the service replaces after each commit: no lock is held
 while rendering, and a scrape never waits for a source.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -28,13 +31,13 @@ from prometheus_client.exposition import choose_encoder
 from forewarn import __version__
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
-from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
+from forewarn.fleet.tracker import event_key
+from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.outbox.store import Backlog
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
 _EOF = b"# EOF\n"
 PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
-OPEN_STATUSES = ("Scheduled", "Started")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class FleetView:
     backlogs: dict[str, Backlog] = field(default_factory=dict)
     quota_remaining: float | None = None
     reconcile_seconds: float | None = None
+    #: (resource, EventId) -> (status, when it was first seen in that status)
+    status_since: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
 
 
 class FleetMetrics:
@@ -111,9 +116,19 @@ class FleetMetrics:
     def view(self) -> FleetView:
         return self._view
 
-    def events_now(self, events: Sequence[FleetEvent]) -> None:
+    def events_now(self, events: Sequence[FleetEvent], now: float | None = None) -> None:
+        """`events` are the open ones as of `now`: an event whose status is new to the metrics is in it
+        since `now` (since the start, after a restart, as in the per-VM agent)."""
+        now = time.time() if now is None else now
         with self._lock:
-            self._view = replace(self._view, events=tuple(events), events_version=self._view.events_version + 1)
+            before = self._view.status_since
+            since = {}
+            for fleet_event in events:
+                key = event_key(fleet_event)
+                status, at = before.get(key, ("", now))
+                since[key] = (fleet_event.event.status, at if status == fleet_event.event.status else now)
+            self._view = replace(self._view, events=tuple(events), events_version=self._view.events_version + 1,
+                                 status_since=since)
 
     def source_succeeded(self, source: str, at: float) -> None:
         with self._lock:
@@ -155,7 +170,8 @@ class FleetMetrics:
         with self._render_lock:
             if self._cached_key != (view.events_version, encoder):
                 registry = CollectorRegistry(auto_describe=True)
-                registry.register(_EventFamilies(view.events))
+                registry.register(_EventFamilies(
+                    view.events, {key: at for key, (_, at) in view.status_since.items()}))
                 text = encoder(registry)
                 self._cached_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
                 self._cached_key = (view.events_version, encoder)
@@ -164,43 +180,25 @@ class FleetMetrics:
 
 
 class _EventFamilies:
-    """The families of the open events, rendered once per change of the events (FleetMetrics.render)."""
+    """The families of the open events, rendered once per change of the events (FleetMetrics.render): the
+    per-VM agent's (forewarn.metrics.events) once per VM an event acts on, and the count by scope."""
 
-    def __init__(self, events: Sequence[FleetEvent]) -> None:
+    def __init__(self, events: Sequence[FleetEvent], status_since: Mapping[tuple[str, str], float]) -> None:
         self._events = events
+        self._status_since = status_since
 
     def collect(self) -> Iterator[Metric]:
-        scope = ["vm", "vm_scale_set", "resource_group", "subscription_id"]
-        info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event open for a VM (1).",
-                                 labels=["event_id", "event_type", "event_status", "event_source", "resource_type",
-                                         "affects_this_vm", "description", *scope])
-        not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
-                                       "NotBefore as Unix time; absent once the event has Started.",
-                                       labels=["event_id", "event_type", *scope])
-        totals: Tally[tuple[str, str, str]] = Tally()
         by_scope: Tally[tuple[str, str, str, str]] = Tally()
+        rows = []
         for fleet_event in self._events:
             event = fleet_event.event
-            totals[(event.event_type, event.status, event.source or "")] += 1
             by_scope[(event.event_type, event.status, fleet_event.subscription_id, fleet_event.resource_group)] += 1
+            places = []
             for vm_resource_id in vm_ids(fleet_event):
                 vm = fleet_vm(fleet_event, vm_resource_id)
-                where = [vm.name, vm.vm_scale_set, vm.resource_group, vm.subscription_id]
-                info.add_metric([event.event_id, event.event_type, event.status, event.source or "",
-                                 event.resource_type, "true", (event.description or "")[:200], *where], 1)
-                if event.not_before is not None:
-                    not_before.add_metric([event.event_id, event.event_type, *where], event.not_before.timestamp())
-        yield info
-        yield not_before
-        aggregate = GaugeMetricFamily("azure_scheduled_events", "Open events by type, status and source.",
-                                      labels=["event_type", "event_status", "event_source"])
-        for event_type in EVENT_TYPES:
-            for status in OPEN_STATUSES:
-                for source in EVENT_SOURCES:
-                    totals.setdefault((event_type, status, source), 0)
-        for combination, count in sorted(totals.items()):
-            aggregate.add_metric(list(combination), count)
-        yield aggregate
+                places.append((vm.name, vm.vm_scale_set, vm.resource_group, vm.subscription_id))
+            rows.append(OpenEvent(event, True, self._status_since.get(event_key(fleet_event)), tuple(places)))
+        yield from event_families(rows, PLACE_LABELS)
         scoped = GaugeMetricFamily("azure_scheduled_events_by_scope",
                                    "Open events by type, status, subscription and resource group.",
                                    labels=["event_type", "event_status", "subscription_id", "resource_group"])

@@ -70,7 +70,7 @@ class FleetCommitter:
         self.active = active
         self._lock = threading.Lock()
         self.tracker = self._restore()
-        metrics.events_now(self.tracker.open_events)
+        metrics.events_now(self.tracker.open_events, self.clock())
 
     def _restore(self) -> FleetTracker:
         """The tracker as last committed (at start, and after a commit that failed)."""
@@ -126,7 +126,7 @@ class FleetCommitter:
                 # Not committed: back to the committed state, so the same news, delivered again (the queue
                 # message was not deleted), is a change again and is not lost.
                 self.tracker = self._restore()
-                self.metrics.events_now(self.tracker.open_events)
+                self.metrics.events_now(self.tracker.open_events, self.clock())
                 raise
         for change in changes:
             event = change.event.event
@@ -137,7 +137,7 @@ class FleetCommitter:
                 self.metrics.observed.labels(event.event_type, event.source or "").inc()
             elif change.kind is ChangeKind.REMOVED:
                 self.metrics.ended.labels(event.event_type, str(change.outcome)).inc()
-        self.metrics.events_now(self.tracker.open_events)
+        self.metrics.events_now(self.tracker.open_events, now)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from forewarn.fleet.feed import FleetEvent
 from forewarn.imds.document import format_not_before
-from forewarn.tracker import ChangeKind, Outcome
+from forewarn.tracker import ChangeKind, Outcome, removal_outcome
 
 #: How far along each status is; an unknown status is treated as Scheduled (an open event).
 STATUS_RANK = {"Scheduled": 0, "Started": 1, "Completed": 2, "Canceled": 2}
@@ -174,8 +174,8 @@ class FleetTracker:
                 del self._open[key]
                 self._end(key)
                 last = state.event
-                outcome = Outcome.COMPLETED if last.status == "Started" else Outcome.CANCELLED
-                changes.append(FleetChange(ChangeKind.REMOVED, last, last, outcome, EndedBy.MISSING))
+                changes.append(FleetChange(ChangeKind.REMOVED, last, last, removal_outcome(last.event),
+                                           EndedBy.MISSING))
         return changes
 
     def take_forgotten(self) -> list[tuple[str, str]]:

@@ -20,7 +20,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from forewarn import DEFAULT_API_VERSION, __version__
-from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES
+from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
+from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.view import ViewHolder
 from forewarn.outbox.store import Backlog
 
@@ -196,64 +197,19 @@ class SharedRendering:
         return cached + encoder(self._live)
 
 
-#: Longest label value shown (the description): a long one would be repeated in every scrape.
-MAX_LABEL_CHARS = 512
-
-
-def _label(value: str | None) -> str:
-    if value is None:
-        return ""
-    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS - 3] + "..."
-
-
 class DocumentFamilies(Collector):
-    """The families that change only when the document, the VM or an event's status does. Their text is
-    rendered once per such change (see `SharedRendering`), not once per scrape."""
+    """The families that change only when the document, the VM or an event's status does: the open events'
+    (forewarn.metrics.events, shared with fleet mode) and the VM's identity. Their text is rendered once per
+    such change (see `SharedRendering`), not once per scrape."""
 
     def __init__(self, views: ViewHolder) -> None:
         self._views = views
 
     def collect(self) -> Iterator[Metric]:
         view = self._views.view
-        events = view.document.events if view.document else ()
-        info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event in the current document (1).",
-                                 labels=["event_id", "event_type", "event_status", "event_source",
-                                         "resource_type", "affects_this_vm", "description"])
-        not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
-                                       "NotBefore as Unix time; absent while NotBefore is empty.",
-                                       labels=["event_id", "event_type"])
-        duration = GaugeMetricFamily("azure_scheduled_event_duration_seconds",
-                                     "DurationInSeconds of the event (-1 = unknown).",
-                                     labels=["event_id", "event_type"])
-        since = GaugeMetricFamily("azure_scheduled_event_status_since_timestamp_seconds",
-                                  "When forewarn first saw the event in its current status (Unix time; reset "
-                                  "to the start time after a restart).",
-                                  labels=["event_id", "event_type", "event_status"])
-        counts: dict[tuple[str, str, str], int] = {
-            (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
-        }
-        for event in events:
-            ids = [event.event_id, event.event_type]
-            info.add_metric(
-                [event.event_id, event.event_type, event.status, _label(event.source), event.resource_type,
-                 "true" if event.affects(view.vm.name) else "false", _label(event.description)],
-                1,
-            )
-            if event.not_before is not None:
-                not_before.add_metric(ids, event.not_before.timestamp())
-            if event.duration_seconds is not None:
-                duration.add_metric(ids, event.duration_seconds)
-            if event.event_id in view.status_since:
-                since.add_metric([*ids, event.status], view.status_since[event.event_id])
-            key = (event.event_type, event.status, _label(event.source))
-            counts[key] = counts.get(key, 0) + 1
-        yield from (info, not_before, duration, since)
-        aggregate = GaugeMetricFamily("azure_scheduled_events",
-                                      "Events in the current document by type, status and source.",
-                                      labels=["event_type", "event_status", "event_source"])
-        for (event_type, status, source), count in sorted(counts.items()):
-            aggregate.add_metric([event_type, status, source], count)
-        yield aggregate
+        yield from event_families(
+            OpenEvent(event, event.affects(view.vm.name), view.status_since.get(event.event_id))
+            for event in (view.document.events if view.document else ()))
         vm = view.vm
         vm_info = GaugeMetricFamily("azure_scheduled_events_vm_info", "This VM's identity from instance metadata (1).",
                                     labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",

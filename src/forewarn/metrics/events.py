@@ -1,0 +1,88 @@
+"""The families of the open events, the same in both modes.
+
+`forewarn run` shows the events of its VM's IMDS document; `forewarn fleet` shows every open event of the
+fleet once per VM it acts on, with the VM's place (`vm`, `vm_scale_set`, `resource_group`,
+`subscription_id`) as extra labels. Both modes describe what is open as `OpenEvent` rows and render them
+here, so the two expositions have the same names, help, labels and limits and cannot drift apart:
+
+    azure_scheduled_event_info                                1 per event (and VM)
+    azure_scheduled_event_not_before_timestamp_seconds        while NotBefore is set
+    azure_scheduled_event_duration_seconds                    when the feed gives DurationInSeconds
+    azure_scheduled_event_status_since_timestamp_seconds      when the mode knows it
+    azure_scheduled_events                                    events (not VMs) by type, status and source
+
+The per-VM agent adds its scrape-time countdown and its VM's identity (exposition.py); fleet mode adds the
+count by subscription and resource group (fleet/metrics.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event
+
+#: Longest label value kept; a longer one (a description, a source) is cut and ends with "...".
+MAX_LABEL_CHARS = 512
+#: The labels fleet mode adds to every per-event series: where the VM is.
+PLACE_LABELS = ("vm", "vm_scale_set", "resource_group", "subscription_id")
+
+
+def label(value: str | None) -> str:
+    if value is None:
+        return ""
+    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class OpenEvent:
+    """One open event as the metrics show it. `places` holds one tuple of place label values per VM the
+    series are about: `((),)` in the per-VM agent (its own VM, no place labels), one per VM in fleet mode."""
+
+    event: Event
+    affects_this_vm: bool
+    status_since: float | None = None
+    places: tuple[tuple[str, ...], ...] = ((),)
+
+
+def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()) -> Iterator[Metric]:
+    """The five families of the open events. `place_labels` names the values in each `OpenEvent.places`."""
+    place = list(place_labels)
+    ids = ["event_id", "event_type"]
+    info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event that is open now (1).",
+                             labels=[*ids, "event_status", "event_source", "resource_type", "affects_this_vm",
+                                     "description", *place])
+    not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
+                                   "NotBefore as Unix time; absent while NotBefore is empty.", labels=[*ids, *place])
+    duration = GaugeMetricFamily("azure_scheduled_event_duration_seconds",
+                                 "DurationInSeconds of the event (-1 = unknown).", labels=[*ids, *place])
+    since = GaugeMetricFamily("azure_scheduled_event_status_since_timestamp_seconds",
+                              "When forewarn first saw the event in its current status (Unix time; reset to the "
+                              "start time after a restart).", labels=[*ids, "event_status", *place])
+    counts: dict[tuple[str, str, str], int] = {
+        (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
+    }
+    for row in events:
+        event = row.event
+        source, affects = label(event.source), "true" if row.affects_this_vm else "false"
+        info_labels = [event.event_id, event.event_type, event.status, source, event.resource_type, affects,
+                       label(event.description)]
+        for where in row.places:
+            series = [event.event_id, event.event_type, *where]
+            info.add_metric([*info_labels, *where], 1)
+            if event.not_before is not None:
+                not_before.add_metric(series, event.not_before.timestamp())
+            if event.duration_seconds is not None:
+                duration.add_metric(series, event.duration_seconds)
+            if row.status_since is not None:
+                since.add_metric([event.event_id, event.event_type, event.status, *where], row.status_since)
+        key = (event.event_type, event.status, source)
+        counts[key] = counts.get(key, 0) + 1
+    yield from (info, not_before, duration, since)
+    aggregate = GaugeMetricFamily("azure_scheduled_events", "Open events by type, status and source.",
+                                  labels=["event_type", "event_status", "event_source"])
+    for (event_type, status, source), count in sorted(counts.items()):
+        aggregate.add_metric([event_type, status, source], count)
+    yield aggregate
