@@ -403,3 +403,16 @@ def test_a_failing_handler_gets_500_and_the_server_goes_on(serve: Callable[..., 
     conn.request("GET", "/echo")
     assert conn.getresponse().read() == b"GET /echo q=None ", "the same connection goes on"
     conn.close()
+
+
+def test_readiness_names_what_must_have_succeeded_and_how_long_ago() -> None:
+    from forewarn.web.endpoints import readiness_check
+
+    last: list[float | None] = [None]
+    check = readiness_check(lambda: last[0], window=60, clock=lambda: 1000.0, what="read of a source")
+    assert check() == (False, "no successful read of a source yet")
+    last[0] = 900.0
+    assert check() == (False, "last successful read of a source 100 s ago (window 60 s)")
+    last[0] = 950.0
+    assert check() == (True, "ok")
+    assert readiness_check(lambda: None, window=60)() == (False, "no successful IMDS poll yet")

@@ -268,7 +268,7 @@ def run_fleet(settings: FleetSettings) -> int:
     server = web_server(settings, web_gate(settings))
     elector = build_elector(settings)
     metrics.active = (lambda: elector.is_leader) if elector is not None else (lambda: True)
-    sources_ready = readiness_check(metrics.last_success, settings.ready_window)
+    sources_ready = readiness_check(metrics.last_success, settings.ready_window, what="read of a source")
 
     def ready() -> tuple[bool, str]:
         """A standby is ready (it serves its metrics, and rollouts must not wait for it to lead)."""

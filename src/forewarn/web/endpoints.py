@@ -47,16 +47,17 @@ def add_metrics_endpoints(server: HttpServer, render: Callable[[str], tuple[byte
 
 
 def readiness_check(last_success: Callable[[], float | None], window: float,
-                    clock: Callable[[], float] = time.time) -> Callable[[], tuple[bool, str]]:
-    """Ready while the last successful IMDS poll is at most `window` seconds old."""
+                    clock: Callable[[], float] = time.time, what: str = "IMDS poll") -> Callable[[], tuple[bool, str]]:
+    """Ready while the last success (`what`: an IMDS poll, or fleet mode's read of any source) is at most
+    `window` seconds old."""
 
     def check() -> tuple[bool, str]:
         last = last_success()
         if last is None:
-            return False, "no successful IMDS poll yet"
+            return False, f"no successful {what} yet"
         age = clock() - last
         if age > window:
-            return False, f"last successful IMDS poll {age:.0f} s ago (window {window:g} s)"
+            return False, f"last successful {what} {age:.0f} s ago (window {window:g} s)"
         return True, "ok"
     return check
 
