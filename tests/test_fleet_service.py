@@ -306,3 +306,56 @@ def test_two_replicas_one_active_and_a_takeover_after_sigkill_loses_nothing(
     reported = changes(leader.records() + standby.records())
     assert set(reported) == {(f"vm-{200 + n}", eid(200 + n), "added") for n in range(10)}
     assert set(reported.values()) == {1}
+
+
+def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Path, authority: Authority) -> None:
+    """Two replicas reading Resource Graph under one Lease, each with its own state dir (an emptyDir): the
+    active one announces the open events and hands over what reached its sink in the Lease; SIGKILL it, and the
+    replica that takes over announces what changed and what is new since, not the events announced already."""
+    from peers.kube_api import KubeApi
+
+    from forewarn.fleet.handover import ANNOTATION, decode
+
+    role = tmp_path / "role.yaml"
+    role.write_text(LEASE_ROLE)
+    arm = ArmPeer(authority, rows=[row(SUBS[n % 3], 300 + n) for n in range(6)])
+    with KubeApi(cluster_role=role, namespaces=["forewarn"]) as api:
+        replicas = []
+        for name in ("a", "b"):
+            kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn")
+            home = tmp_path / name
+            home.mkdir()
+            replicas.append(Fleet(home, arm, authority, None, None,
+                                  extra=("--lease-name", "forewarn-fleet", "--lease-seconds", "3",
+                                         "--kubeconfig", str(kubeconfig))).start())
+        try:
+            def active() -> list[Fleet]:
+                return [r for r in replicas if "azure_scheduled_events_fleet_active 1.0" in (r.metrics() or "")]
+
+            def handed_over() -> int:
+                annotations = (api.leases() or [{}])[0].get("metadata", {}).get("annotations") or {}
+                return len(decode(annotations.get(ANNOTATION)))
+
+            wait_until(lambda: len(active()) == 1, timeout=20, message="one active replica")
+            (leader,) = active()
+            (standby,) = [r for r in replicas if r is not leader]
+            wait_until(lambda: len(leader.records()) == 6 and handed_over() == 6, timeout=30,
+                       message="the six open events announced and handed over in the Lease")
+            leader.kill()
+            arm.rows = [row(SUBS[0], 300, "Started")] + arm.rows[1:] + [row(SUBS[1], 399)]
+            wait_until(lambda: "azure_scheduled_events_fleet_active 1.0" in (standby.metrics() or ""), timeout=20,
+                       message="the standby to take over")
+            wait_until(lambda: len(standby.records()) >= 2, timeout=30, message="the news since, by the new one")
+            time.sleep(2.5)  # two more snapshots: nothing else may come
+            text = standby.metrics() or ""
+            late = standby.records()
+        finally:
+            for replica in replicas:
+                if replica.proc is not None and replica.proc.poll() is None:
+                    assert replica.stop() == 0, replica.log.read_text()[-3000:]
+            arm.stop()
+    assert sorted((r["data"]["vm"]["name"], r["data"]["change"], r["data"]["event"]["EventStatus"]) for r in late) == [
+        ("vm-300", "added", "Started"), ("vm-399", "added", "Scheduled")]
+    assert "azure_scheduled_events_handover_skipped_total 5.0" in text
+    ids = [r["id"] for r in leader.records() + late]
+    assert len(ids) == len(set(ids)) == 8

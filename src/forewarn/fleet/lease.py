@@ -30,6 +30,7 @@ from typing import Any, cast
 from lightkube import ApiError, Client
 from lightkube.resources.coordination_v1 import Lease
 
+from forewarn.fleet.handover import ANNOTATION as HANDOVER_ANNOTATION
 from forewarn.logs import StateLog
 from forewarn.node.actions import rfc3339
 from forewarn.node.kube import KubeError, explain, lease_expired
@@ -73,6 +74,12 @@ class LeaseElector:
         self._written: dict[str, Any] | None = None  # the Lease as our last write left it (for the release)
         self._said: str | None = None  # the last role logged, to log each change once
         self._api = StateLog(log, f"lease {namespace}/{name}")
+        #: What each renew writes into the Lease's handover annotation (forewarn.fleet.handover): called
+        #: only while this replica holds the Lease; None leaves the annotation as it is.
+        self.handover: Callable[[], str | None] = lambda: None
+        #: The handover annotation as the previous holder left it, read when this replica took the Lease
+        #: (None when it created the Lease, renewed its own, or there was none).
+        self.inherited: str | None = None
 
     # --- what metrics and the service read -------------------------------------------------------------
     @property
@@ -144,6 +151,7 @@ class LeaseElector:
         written = self._call("create", lambda: self.client.create(body, namespace=self.namespace), (409,))
         if written is None:
             return False
+        self.inherited = None
         self._holder = self.identity
         self._written = written
         return True
@@ -154,12 +162,17 @@ class LeaseElector:
         ours = spec.get("holderIdentity") == self.identity
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if ours else 1)
         acquired = spec.get("acquireTime") if ours and spec.get("acquireTime") else rfc3339(now, micro=True)
+        # A renew hands over what this term has announced; taking the Lease keeps the predecessor's note.
+        handover = self.handover() if ours and self.is_leader else None
         body = self._body(lease, {"holderIdentity": self.identity, "acquireTime": acquired,
-                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions})
+                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions},
+                          {HANDOVER_ANNOTATION: handover} if handover is not None else {})
         written = self._call("update", lambda: self.client.replace(body), (404, 409))
         if written is None:  # written or deleted since we read it: not ours this round
             self._holder = self._current_holder()
             return False
+        if not ours:
+            self.inherited = ((lease.get("metadata") or {}).get("annotations") or {}).get(HANDOVER_ANNOTATION)
         self._holder = self.identity
         self._written = written
         return True
@@ -180,9 +193,10 @@ class LeaseElector:
             return None
         return ((lease or {}).get("spec") or {}).get("holderIdentity") or None
 
-    def _body(self, current: dict[str, Any] | None, holding: dict[str, Any]) -> Lease:
-        """The Lease to write: `current`'s metadata (its resourceVersion makes the write conditional) and
-        our duration, with `holding`'s fields (none: released)."""
+    def _body(self, current: dict[str, Any] | None, holding: dict[str, Any],
+              annotations: dict[str, str] | None = None) -> Lease:
+        """The Lease to write: `current`'s metadata (its resourceVersion makes the write conditional) with
+        `annotations` set, and our duration, with `holding`'s fields (none: released)."""
         metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace,
                                     "labels": {"app.kubernetes.io/managed-by": "forewarn"}}
         if current is not None:
@@ -192,6 +206,8 @@ class LeaseElector:
             for key in ("annotations", "ownerReferences"):
                 if old.get(key):
                     metadata[key] = old[key]
+        if annotations:
+            metadata["annotations"] = {**(metadata.get("annotations") or {}), **annotations}
         spec = {"leaseDurationSeconds": self.lease_seconds, **holding}
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
         return cast(Lease, Lease.from_dict(body))

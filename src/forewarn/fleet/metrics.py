@@ -96,6 +96,9 @@ class FleetMetrics:
                                       "(moved to the poison queue), unreadable.", ["result"], registry=r)
         self.duplicates = Counter("azure_scheduled_events_duplicates_total",
                                   "News dropped as a repeat: the same delivery, or nothing new.", registry=r)
+        self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
+                                   "Changes not announced because the previous active replica had announced them "
+                                   "(the Lease's handover).", registry=r)
         self.feed_lag = Gauge("azure_scheduled_events_feed_lag_seconds",
                               "From the Event Grid event's time to forewarn reading it, for the last one read.",
                               registry=r)

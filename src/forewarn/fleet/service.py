@@ -28,6 +28,7 @@ from typing import Any
 
 from forewarn import __version__
 from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, redact_url
+from forewarn.fleet import handover
 from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_records
@@ -69,6 +70,8 @@ class FleetCommitter:
         self.clock = clock
         self.active = active
         self._lock = threading.Lock()
+        #: Digests of what the previous Lease holder announced (forewarn.fleet.handover), not announced again.
+        self._inherited: set[bytes] = set()
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
@@ -109,7 +112,31 @@ class FleetCommitter:
             now = self.clock()
             changes = self.tracker.apply_snapshot(events, started_at, now, complete)
             self._commit(changes, now)
+            if complete:  # what the predecessor announced and is not open now has ended: no longer needed
+                self._inherited.clear()
             return changes
+
+    # --- the Lease's handover (forewarn.fleet.handover) ---------------------------------------------------
+    def inherit(self, annotation: str | None) -> None:
+        """At the start of a term: what the previous holder announced, from the Lease it left."""
+        inherited = handover.decode(annotation)
+        with self._lock:
+            self._inherited = set(inherited)
+        if inherited:
+            log.info("the previous active replica announced %d open event(s); their news is not announced again",
+                     len(inherited))
+
+    def handover(self) -> str | None:
+        """What this replica has announced, for the Lease; None (leave it as it is) while a sink still has
+        records to deliver, since those die with this replica's outbox and must be announced again."""
+        if any(self.outbox.backlog(sink).records for sink in self.outbox.sinks):
+            return None
+        with self._lock:
+            digests = {handover.digest(event) for event in self.tracker.open_events} | self._inherited
+        return handover.encode(digests)
+
+    def _announced_before(self, change: FleetChange) -> bool:
+        return change.kind is not ChangeKind.REMOVED and handover.digest(change.event) in self._inherited
 
     def _commit(self, changes: Sequence[FleetChange], now: float) -> None:
         if not changes:
@@ -119,7 +146,10 @@ class FleetCommitter:
         # time, and a stop between two slices leaves a consistent state (what was not committed is news again).
         for start in range(0, len(changes), COMMIT_SLICE):
             part = changes[start:start + COMMIT_SLICE]
-            records = [record for change in part for record in change_records(change, observed_at)]
+            known = [change for change in part if self._inherited and self._announced_before(change)]
+            skip = {id(change) for change in known}
+            records = [record for change in part if id(change) not in skip
+                       for record in change_records(change, observed_at)]
             try:
                 self.outbox.append(records, state=changed_state(part, self.tracker))
             except Exception:
@@ -128,6 +158,9 @@ class FleetCommitter:
                 self.tracker = self._restore()
                 self.metrics.events_now(self.tracker.open_events, self.clock())
                 raise
+            if known:
+                self._inherited.difference_update(handover.digest(change.event) for change in known)
+                self.metrics.handed_over.inc(len(known))
         for change in changes:
             event = change.event.event
             log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
@@ -307,7 +340,13 @@ def run_fleet(settings: FleetSettings) -> int:
              f"; Lease {settings.lease_name} as {elector.identity}" if elector is not None else "")
     lease_thread = None
     if elector is not None:
-        lease_thread = threading.Thread(target=elector.run, args=(stop, term.start, term.stop), name="fleet-lease",
+        elector.handover = committer.handover
+
+        def begin_term() -> None:
+            committer.inherit(elector.inherited)
+            term.start()
+
+        lease_thread = threading.Thread(target=elector.run, args=(stop, begin_term, term.stop), name="fleet-lease",
                                         daemon=True)
         lease_thread.start()
     else:

@@ -136,6 +136,10 @@ class Outbox:
         """`sink` has every record up to sequence number `up_to`; what no sink still needs is deleted."""
         self._store.ack(sink, up_to)
 
+    @property
+    def sinks(self) -> tuple[str, ...]:
+        return tuple(self._sinks)
+
     def backlog(self, sink: str) -> Backlog:
         """What waits for `sink`: how many records, and when the oldest was appended."""
         return self._store.backlog(sink)
