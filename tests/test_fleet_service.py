@@ -312,9 +312,9 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
     """Two replicas reading Resource Graph under one Lease, each with its own state dir (an emptyDir): the
     active one announces the open events and hands over what reached its sink in the Lease; SIGKILL it, and the
     replica that takes over announces what changed and what is new since, not the events announced already."""
-    from peers.kube_api import KubeApi
-
     from forewarn.fleet.handover import ANNOTATION, decode
+
+    from peers.kube_api import KubeApi
 
     role = tmp_path / "role.yaml"
     role.write_text(LEASE_ROLE)
@@ -342,7 +342,7 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
             wait_until(lambda: len(leader.records()) == 6 and handed_over() == 6, timeout=30,
                        message="the six open events announced and handed over in the Lease")
             leader.kill()
-            arm.rows = [row(SUBS[0], 300, "Started")] + arm.rows[1:] + [row(SUBS[1], 399)]
+            arm.rows = [row(SUBS[0], 300, "Started"), *arm.rows[1:], row(SUBS[1], 399)]
             wait_until(lambda: "azure_scheduled_events_fleet_active 1.0" in (standby.metrics() or ""), timeout=20,
                        message="the standby to take over")
             wait_until(lambda: len(standby.records()) >= 2, timeout=30, message="the news since, by the new one")
