@@ -24,7 +24,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import re
 import ssl
 import threading
@@ -32,13 +31,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from forewarn import __version__
-from forewarn.deadline import Deadline, DeadlineConnection, Stopped
+from forewarn.deadline import Deadline, Stopped
+from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, default_tls_context
 from forewarn.imds.reply import ReplyError, capped, decode_reply
-from forewarn.retry import Backoff, RetryableError, parse_retry_after
+from forewarn.retry import Backoff, parse_retry_after
 
 __all__ = [
     "ALL_STATUSES", "DEFAULT_API_VERSION", "DEFAULT_ARM_ENDPOINT", "DEFAULT_QUERY", "OPEN_STATUSES",
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 DEFAULT_ARM_ENDPOINT = "https://management.azure.com"
 DEFAULT_API_VERSION = "2024-04-01"
 RESOURCES_PATH = "/providers/Microsoft.ResourceGraph/resources"
-USER_AGENT = f"forewarn/{__version__}"
 
 #: Subscriptions per query. The docs recommend fewer than 300; 100 keeps each query's result small while
 #: 1,000 subscriptions still cost only 10 queries of the documented example quota (15 per 5 s).
@@ -62,11 +60,8 @@ MAX_PAGE_SIZE = 1000
 DEFAULT_MAX_REPLY_BYTES = 16 * 2**20
 #: More rows than this in one snapshot is a runaway query (or a peer that pages forever), not a fleet.
 DEFAULT_MAX_ROWS = 100_000
-#: A token is fetched again this long before it expires (azure-core refreshes 300 s early too).
-TOKEN_REFRESH_MARGIN = 300.0
 #: When the quota is spent and the reply does not say when it returns: the documented example's window.
 QUOTA_WINDOW_GUESS = 5.0
-CONNECT_TIMEOUT = 5.0
 
 OPEN_STATUSES = ("Scheduled", "Started")
 #: Completed and Canceled exist only in the central feeds (IMDS drops a finished event instead).
@@ -95,31 +90,10 @@ def scheduled_events_query(statuses: Sequence[str] | None = OPEN_STATUSES) -> st
 DEFAULT_QUERY = scheduled_events_query()
 
 
-class ResourceGraphError(RetryableError):
+class ResourceGraphError(ArmError):
     """A query that gave no usable answer. `status` is the HTTP status, or None when there was none
     (transport, deadline, a reply that is too large or not the documented shape). Messages name the
     endpoint and status, never the token."""
-
-    def __init__(self, message: str, status: int | None = None, retryable: bool = False,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message, retryable, retry_after)
-        self.status = status
-
-
-class AccessTokenLike(Protocol):
-    """What azure-core's AccessToken gives: the token and when it expires (seconds since the epoch)."""
-
-    @property
-    def token(self) -> str: ...
-
-    @property
-    def expires_on(self) -> int: ...
-
-
-class TokenCredential(Protocol):
-    """azure-core's TokenCredential, which every azure-identity credential implements."""
-
-    def get_token(self, *scopes: str, **kwargs: Any) -> AccessTokenLike: ...
 
 
 @dataclass(frozen=True)
@@ -189,75 +163,6 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in text)
 
 
-def default_tls_context() -> ssl.SSLContext:
-    """Certificates checked against REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE when set, else certifi's bundle:
-    the same trust azure-identity's token request has, so one setting covers both."""
-    import certifi
-
-    return ssl.create_default_context(
-        cafile=os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or certifi.where())
-
-
-class _Fetch:
-    """One token request on a thread of its own, so that waiting for it honours a deadline and the stop
-    signal (a credential's own HTTP calls do not). At most one is under way at a time."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.token: AccessTokenLike | None = None
-        self.error: BaseException | None = None
-
-
-class _Tokens:
-    """The bearer token for one scope, cached until TOKEN_REFRESH_MARGIN before it expires."""
-
-    def __init__(self, credential: TokenCredential, scope: str, timeout: float) -> None:
-        self.credential = credential
-        self.scope = scope
-        self.timeout = timeout
-        self._token: AccessTokenLike | None = None
-        self._pending: _Fetch | None = None
-        self._lock = threading.Lock()
-
-    def forget(self) -> None:
-        with self._lock:
-            self._token = None
-
-    def bearer(self, stop: threading.Event | None) -> str:
-        with self._lock:
-            if self._token is not None and self._token.expires_on - time.time() > TOKEN_REFRESH_MARGIN:
-                return self._token.token
-            if self._pending is None:
-                self._pending = _Fetch()
-                threading.Thread(target=self._fetch, args=(self._pending,), name="resourcegraph-token",
-                                 daemon=True).start()
-            pending = self._pending
-        deadline = Deadline(self.timeout, stop)
-        try:
-            while not pending.done.wait(deadline.slice()):
-                pass
-        except TimeoutError:
-            raise ResourceGraphError(f"no token for {self.scope} within {self.timeout:g} s",
-                                     retryable=True) from None
-        if pending.token is None:
-            error = pending.error
-            reason = f"{type(error).__name__}: {str(error)[:300]}" if error else "no token"
-            raise ResourceGraphError(f"no token for {self.scope} ({reason})", retryable=True)
-        return pending.token.token
-
-    def _fetch(self, pending: _Fetch) -> None:
-        try:
-            token = self.credential.get_token(self.scope)
-            with self._lock:
-                self._token = pending.token = token
-        except BaseException as exc:  # handed to the waiter, which reports it
-            pending.error = exc
-        finally:
-            with self._lock:
-                self._pending = None
-            pending.done.set()
-
-
 class ResourceGraphClient:
     """Runs Resource Graph queries for fleet mode. One snapshot at a time (a lock keeps them in turn).
 
@@ -308,9 +213,9 @@ class ResourceGraphClient:
         self.context = context or default_tls_context()
         self._target = f"{RESOURCES_PATH}?{urlencode({'api-version': api_version})}"
         self._what = f"Resource Graph {self.endpoint}{RESOURCES_PATH}"
-        self._tokens = _Tokens(credential, self.scope, token_timeout)
+        self._tokens = Tokens(credential, self.scope, token_timeout, ResourceGraphError)
         self._backoff = Backoff(base=1.0, cap=max(max_wait, 0.001))
-        self._conn: DeadlineConnection | None = None
+        self._wire = ArmConnection(self.host, self.port, self.context, timeout, max_reply_bytes, self._too_large)
         self._lock = threading.Lock()
         self._quota_remaining: int | None = None
         self._quota_resets_after: float | None = None
@@ -319,9 +224,7 @@ class ResourceGraphClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            self._wire.close()
 
     # --- the query ---------------------------------------------------------------------------------------
     def snapshot(self, subscriptions: Sequence[str] | None = None, management_groups: Sequence[str] | None = None,
@@ -459,54 +362,9 @@ class ResourceGraphClient:
 
     # --- the wire ----------------------------------------------------------------------------------------
     def _send(self, payload: bytes, bearer: str, deadline: Deadline) -> tuple[int, dict[str, str], bytes]:
-        """One POST on the kept-alive connection (a new one when the server had closed it)."""
         headers = {"Authorization": f"Bearer {bearer}", "Content-Type": "application/json",
-                   "Accept": "application/json", "Accept-Encoding": "identity", "User-Agent": USER_AGENT,
                    "x-ms-client-request-id": str(uuid.uuid4())}
-        conn, reused = self._conn, True
-        if conn is None or conn.stale():
-            if conn is not None:
-                conn.close()
-            conn, reused = self._connect(deadline), False
-        conn.deadline = deadline
-        self._conn = None
-        try:
-            status, reply_headers, body, keep = self._exchange(conn, payload, headers)
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            if not reused:
-                raise
-            conn = self._connect(deadline)  # the server closed the kept-alive connection: once more, anew
-            status, reply_headers, body, keep = self._exchange(conn, payload, headers)
-        if keep:
-            self._conn = conn
-        else:
-            conn.close()
-        return status, reply_headers, body
-
-    def _connect(self, deadline: Deadline) -> DeadlineConnection:
-        return DeadlineConnection(self.host, self.port, context=self.context,
-                                  connect_timeout=min(CONNECT_TIMEOUT, self.timeout), deadline=deadline)
-
-    def _exchange(self, conn: DeadlineConnection, payload: bytes,
-                  headers: dict[str, str]) -> tuple[int, dict[str, str], bytes, bool]:
-        """Status, headers (names in lower case), body (at most max_reply_bytes) and whether the connection
-        may be kept. The connection is closed on any failure."""
-        limit = self.max_reply_bytes
-        try:
-            conn.request("POST", self._target, body=payload, headers=headers)
-            response = conn.getresponse()
-            reply_headers = {name.lower(): value for name, value in response.getheaders()}
-            if response.length is not None and response.length > limit:
-                raise self._too_large()
-            data = bytearray()
-            while piece := response.read(min(65536, limit + 1 - len(data))):
-                data += piece
-                if len(data) > limit:
-                    raise self._too_large()
-        except BaseException:
-            conn.close()
-            raise
-        return response.status, reply_headers, bytes(data), not response.will_close
+        return self._wire.send("POST", self._target, payload, headers, deadline)
 
     def _too_large(self) -> ResourceGraphError:
         return ResourceGraphError(f"{self._what}: reply larger than {self.max_reply_bytes} bytes (max_reply_bytes); "
