@@ -17,6 +17,14 @@ managed identity token endpoint, checking what the real services require and ref
   azure-identity's ManagedIdentityCredential asks IMDS (point AZURE_POD_IDENTITY_AUTHORITY_HOST here):
   gives `token` for the audience `base` (the ARM endpoint, so the scope `{base}/.default`) only.
 
+- `POST {target}/providers/Microsoft.Maintenance/scheduledevents/{EventId}/acknowledge?api-version=<v>` (no
+  body) and its list form `POST {target}/providers/Microsoft.Maintenance/scheduledevents?api-version=<v>` with
+  `{"value": [EventId, ...]}` (only on the api-versions whose spec defines it, LIST_ACK_VERSIONS), where the
+  target is a VM, scale set or availability set: the bearer token as for queries, an api-version of
+  ACK_VERSIONS, and events that `rows` lists for that target (ARM compares names without regard to case);
+  an unknown one is 404. Answers `{"value": "Successfully Approved"}`; every acknowledgement is kept in
+  `received.acks`, and `ack_faults` (throttle, fail, hang) shapes the next answers to them.
+
 `faults` shapes the next answers to queries: 429 with Retry-After, 5xx, a hang (no answer until `stop()`),
 a trickled body, bad JSON, a reply of the wrong shape, an oversized reply, a truncated result, a small
 server page size, and a quota (`quota_limit` queries per `quota_window` s, reported in
@@ -46,6 +54,14 @@ TOKEN_PATH = "/metadata/identity/oauth2/token"
 GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 OPTIONS = {"$top", "$skip", "$skipToken", "resultFormat", "allowPartialScopes", "authorizationScopeFilter"}
 BODY_KEYS = {"subscriptions", "managementGroups", "query", "options", "facets"}
+#: The Maintenance RP's preview api-versions with the acknowledge operation, and those whose spec also has the
+#: list form (shared FLEET-FACTS.md, section 3).
+ACK_VERSIONS = ("2023-10-01-preview", "2025-10-01-preview", "2026-02-01-preview")
+LIST_ACK_VERSIONS = ("2025-10-01-preview", "2026-02-01-preview")
+ACK_PATH = re.compile(
+    r"(?P<target>/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Compute/"
+    r"(?:virtualMachines|virtualMachineScaleSets|availabilitySets)/[^/]+)"
+    r"/providers/Microsoft\.Maintenance/scheduledevents(?:/(?P<event>[^/]+)/acknowledge)?", re.IGNORECASE)
 
 
 class Refused(Exception):
@@ -88,6 +104,9 @@ class Received:
     headers: list[dict[str, str]] = field(default_factory=list)   # each query's headers, without Authorization
     tokens_issued: int = 0
     over_quota: int = 0
+    #: (target resource ID in lower case, EventId, "single" or "list", api-version) per event acknowledged
+    acks: list[tuple[str, str, str, str]] = field(default_factory=list)
+    ack_statuses: list[int] = field(default_factory=list)   # the status answered to each acknowledge POST
 
 
 def resets_after_text(seconds: float) -> str:
@@ -105,6 +124,7 @@ class ArmPeer:
         self.groups = dict(groups or {})
         self.max_scopes = max_scopes
         self.faults = Faults()
+        self.ack_faults = Faults()
         self.received = Received()
         self.released = threading.Event()   # set at stop(): hung answers end
         self._quota_used = 0
@@ -182,6 +202,14 @@ class ArmPeer:
                 status, extra, answer = self._query(url.query, headers, body)
                 with self.received.lock:
                     self.received.statuses.append(status)
+        elif ACK_PATH.fullmatch(url.path):
+            if self.ack_faults.hang:
+                self.released.wait()
+                handler.close_connection = True
+                return
+            status, extra, answer = self._acknowledge(method, url.path, url.query, headers, body)
+            with self.received.lock:
+                self.received.ack_statuses.append(status)
         else:
             status, extra, answer = self._refuse(Refused(404, "NotFound", f"no route {method} {url.path}"))
         self._write(handler, status, extra, answer)
@@ -241,6 +269,56 @@ class ArmPeer:
             self.received.tokens_issued += 1
         return 200, {}, json.dumps({"access_token": self.token, "expires_in": "86399", "token_type": "Bearer",
                                     "expires_on": str(int(time.time()) + 86399), "resource": self.base}).encode()
+
+    # --- the acknowledge route -------------------------------------------------------------------------
+    def _acknowledge(self, method: str, path: str, query: str, headers: dict[str, str],
+                     body: bytes) -> tuple[int, dict[str, str], bytes]:
+        found = ACK_PATH.fullmatch(path)
+        assert found is not None
+        target, single = found.group("target").lower(), found.group("event")
+        version = (parse_qs(query).get("api-version") or [""])[0]
+        try:
+            if method != "POST":
+                raise Refused(405, "MethodNotAllowed", f"{method} {path}: acknowledge is a POST")
+            if version not in ACK_VERSIONS:
+                raise Refused(400, "InvalidApiVersionParameter", f"api-version {version!r}: not one of {ACK_VERSIONS}")
+            if headers.get("authorization") != f"Bearer {self.token}":
+                raise Refused(401, "AuthenticationFailed", "missing or invalid bearer token")
+            if single is not None:
+                if body:
+                    raise Refused(400, "InvalidRequestContent", "the acknowledge POST takes no body")
+                ids, form = [single], "single"
+            else:
+                if version not in LIST_ACK_VERSIONS:
+                    raise Refused(404, "NotFound", f"api-version {version} has no list acknowledge")
+                try:
+                    request = json.loads(body)
+                except ValueError as exc:
+                    raise Refused(400, "InvalidRequestContent", f"body is not JSON: {exc}") from None
+                ids = request.get("value") if isinstance(request, dict) and set(request) == {"value"} else None
+                if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+                    raise Refused(400, "InvalidRequestContent", 'the body must be {"value": [EventId, ...]}')
+                form = "list"
+            known = {str(row.get("name", "")).lower() for row in self.rows
+                     if str(row.get("id", "")).lower().startswith(target + "/providers/microsoft.maintenance/")}
+            unknown = [event for event in ids if event.lower() not in known]
+            if unknown:
+                raise Refused(404, "ScheduledEventNotFound", f"no scheduled event {unknown[0]} on {target}")
+        except Refused as refused:
+            return self._refuse(refused)
+        faults = self.ack_faults
+        if faults.throttle > 0:
+            faults.throttle -= 1
+            retry = {"Retry-After": faults.retry_after} if faults.retry_after is not None else {}
+            return 429, retry, json.dumps({"error": {"code": "TooManyRequests", "message": "throttled"}}).encode()
+        if faults.fail > 0:
+            faults.fail -= 1
+            retry = {"Retry-After": faults.fail_retry_after} if faults.fail_retry_after is not None else {}
+            return faults.fail_status, retry, json.dumps(
+                {"error": {"code": "InternalServerError", "message": "the stand-in is failing"}}).encode()
+        with self.received.lock:
+            self.received.acks.extend((target, event, form, version) for event in ids)
+        return 200, {}, json.dumps({"value": "Successfully Approved"}).encode()
 
     # --- the query route ---------------------------------------------------------------------------------
     def _query(self, query: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str], bytes]:
