@@ -193,6 +193,7 @@ def test_queue_push_and_snapshot_news_out_of_order_and_repeated_give_one_record_
     # every snapshot asked for the three subscriptions, with the token of the managed identity
     assert arm.received.tokens_issued >= 1 and not arm.received.errors, arm.received.errors
     assert all(sorted(query["subscriptions"]) == sorted(SUBS) for query in arm.received.queries)
+    assert arm.received.ack_statuses == [], "without a policy nothing is acknowledged"
 
 
 def test_a_sigkill_loses_no_message_and_a_restart_reports_nothing_under_a_second_id(
@@ -359,3 +360,39 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
     assert "azure_scheduled_events_handover_skipped_total 5.0" in text
     ids = [r["id"] for r in leader.records() + late]
     assert len(ids) == len(set(ids)) == 8
+
+
+def test_a_queued_event_is_recorded_then_acknowledged_once_by_policy_through_arm(
+        tmp_path: Path, authority: Authority, azurite: Azurite) -> None:
+    """Event Grid message in the queue -> record -> the policy approves it -> one acknowledge call to ARM (with
+    the managed identity's token) -> an `approved` record naming the rule; the event then Started changes
+    nothing more; a Freeze no rule matches is held."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"rules:\n  - name: reboots-in-rg-a\n    action: approve\n"
+                      f"    match: {{event_type: [Reboot], resource_group: [RG-A], subscription: [{SUBS[0]}]}}\n")
+    arm = ArmPeer(authority, rows=[row(SUBS[0], 500), row(SUBS[0], 501)])
+    arm.rows[1]["properties"]["EventType"] = "Freeze"
+    queue = azurite.queue()
+    queue.send_message(json.dumps(grid(SUBS[0], 500, "Scheduled", "q-500")))
+    fleet = Fleet(tmp_path, arm, authority, azurite, queue.queue_name, extra=("--policy", str(policy))).start()
+    try:
+        wait_until(lambda: any(r["type"].endswith(".approved") for r in fleet.records()), timeout=30,
+                   message="the approved record")
+        queue.send_message(json.dumps(grid(SUBS[0], 500, "Started", "q-500s")))
+        wait_until(lambda: count(queue) == 0 and len(fleet.records()) >= 4, timeout=30,
+                   message="the Started update read")
+        time.sleep(2.5)  # two more snapshots and approver ticks: nothing is acknowledged again
+        text = fleet.metrics() or ""
+        records = fleet.records()
+    finally:
+        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+        arm.stop()
+    target = row(SUBS[0], 500)["id"].split("/providers/Microsoft.Maintenance")[0]
+    assert arm.received.acks == [(target.lower(), eid(500), "single", "2025-10-01-preview")]
+    approved = [r for r in records if r["type"].endswith(".approved")]
+    assert [(r["subject"], r["data"]["policy_rule"], r["data"]["dry_run"]) for r in approved] == [
+        (eid(500), "reboots-in-rg-a", False)]
+    for record in records:
+        jsonschema.validate(record, SCHEMA)
+    assert 'azure_scheduled_events_approvals_total{event_type="Reboot",result="approved"} 1.0' in text
+    assert 'azure_scheduled_events_approvals_total{event_type="Freeze",result="approved"} 0.0' in text

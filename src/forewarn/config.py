@@ -532,6 +532,12 @@ FLEET_ONLY: tuple[Option, ...] = (
            Number(2, 300, unit=SECONDS), metavar="SECONDS"),
     Option("kubeconfig", "kubeconfig file for the Lease (default: the in-cluster service account, else "
            "KUBECONFIG or ~/.kube/config)", None, metavar="PATH"),
+    Option("policy", "approval policy file (YAML, fleet mode's match keys): the events it approves are "
+           "acknowledged through ARM; without one nothing is ever acknowledged", None, metavar="FILE"),
+    Option("dry-run", "decide and record approvals, but send no acknowledgement", False, _boolean, is_flag=True),
+    Option("acknowledge-api-version", "api-version of the Maintenance RP's acknowledge call (a preview; "
+           "2025-10-01-preview and later have the list form, which approves a scale set's events in one call)",
+           "2025-10-01-preview", metavar="V"),
 )
 FLEET_OPTIONS = FLEET_SHARED + FLEET_ONLY
 
@@ -560,6 +566,7 @@ class FleetSettings(Settings):
     lease_name: str | None = None
     lease_namespace: str | None = None
     lease_seconds: float = 15.0
+    acknowledge_api_version: str = "2025-10-01-preview"
 
 
 def safe_url(url: str) -> str:

@@ -258,6 +258,25 @@ class Match:
     affects_this_vm: bool | None = None
     resources: tuple[str, ...] = ()
     description: re.Pattern[str] | None = None
+    # forewarn fleet only: where the event is (names compared in lower case)
+    subscriptions: frozenset[str] | None = None
+    resource_groups: tuple[str, ...] = ()
+    scale_sets: tuple[str, ...] = ()
+    vms: tuple[str, ...] = ()
+
+    @property
+    def uses_place(self) -> bool:
+        return bool(self.subscriptions or self.resource_groups or self.scale_sets or self.vms)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an event of the fleet is (forewarn fleet): what the fleet match keys compare."""
+
+    subscription_id: str
+    resource_group: str
+    scale_set: str = ""           # the scale set the event names, or ""
+    vms: tuple[str, ...] = ()     # the VMs in its Resources
 
 
 @dataclass(frozen=True)
@@ -417,7 +436,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return error.message
 
 
-def load_policy(path: str | Path, check_commands: bool = True) -> Policy:
+def load_policy(path: str | Path, check_commands: bool = True, fleet: bool = False) -> Policy:
     """Read, validate and compile a policy file; raises PolicyError naming file, line and field.
 
     `check_commands`: every hook command must be found (on PATH, or at its path) and be executable now,
@@ -433,7 +452,7 @@ def load_policy(path: str | Path, check_commands: bool = True) -> Policy:
     except UnicodeDecodeError as exc:
         raise PolicyError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
                           "save the policy as UTF-8") from None
-    return parse_policy(text, str(path), check_commands=check_commands)
+    return parse_policy(text, str(path), check_commands=check_commands, fleet=fleet)
 
 
 def _not_finite(data: Any, path: list[str | int]) -> list[str | int] | None:
@@ -459,9 +478,10 @@ def _webhooks(data: Any) -> list[str]:
     return []
 
 
-def parse_policy(text: str, source: str = "<policy>", check_commands: bool = False) -> Policy:
+def parse_policy(text: str, source: str = "<policy>", check_commands: bool = False, fleet: bool = False) -> Policy:
     """Compile policy text. `check_commands` as in `load_policy` (off here: tests and the Kubernetes
-    manifests parse policies for machines whose hook programs this one does not have)."""
+    manifests parse policies for machines whose hook programs this one does not have). `fleet`: for
+    `forewarn fleet`, which decides for the whole fleet (see `_check_mode`)."""
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -487,6 +507,7 @@ def parse_policy(text: str, source: str = "<policy>", check_commands: bool = Fal
         error = _within_hook(jsonschema.exceptions.best_match(errors))
         raise fail(list(error.absolute_path), _describe(error))
 
+    _check_mode(data, fleet, fail)
     names: set[str] = set()
     rules = []
     for index, raw in enumerate(data["rules"]):
@@ -514,6 +535,30 @@ def parse_policy(text: str, source: str = "<policy>", check_commands: bool = Fal
                        check_commands),
         source=source,
     )
+
+
+FLEET_KEYS = ("subscription", "resource_group", "scale_set", "vm")
+
+
+def _check_mode(data: Mapping[str, Any], fleet: bool, fail: Any) -> None:
+    """What only one mode can mean. `forewarn fleet` is no VM of the event, so `affects_this_vm` and the
+    leader among affected VMs mean nothing there, and its node actions are not built yet; the per-VM agent
+    knows only its own VM, so the fleet's place keys mean nothing to it."""
+    if fleet and "leader" in data:
+        raise fail(["leader"], "forewarn fleet approves for every VM of an event at once: there is no leader "
+                   "among them (remove leader)")
+    for index, rule in enumerate(data["rules"]):
+        match = rule.get("match", {})
+        if fleet and "affects_this_vm" in match:
+            raise fail(["rules", index, "match", "affects_this_vm"], "forewarn fleet is none of the VMs; match "
+                       "them with vm, scale_set, resource_group or subscription")
+        if fleet and rule.get("node"):
+            raise fail(["rules", index, "node"], "node actions from forewarn fleet are not built yet; run the "
+                       "per-VM agent (a DaemonSet) with this rule for them")
+        for key in FLEET_KEYS:
+            if not fleet and key in match:
+                raise fail(["rules", index, "match", key], "matches only in forewarn fleet (the agent on a VM "
+                           "knows only its own VM; use affects_this_vm or resources)")
 
 
 def _lookup(data: Any, path: Sequence[str | int]) -> Any:
@@ -595,6 +640,10 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands:
             affects_this_vm=match.get("affects_this_vm"),
             resources=tuple(match.get("resources", ())),
             description=pattern,
+            subscriptions=frozenset(s.lower() for s in match["subscription"]) if "subscription" in match else None,
+            resource_groups=tuple(p.lower() for p in match.get("resource_group", ())),
+            scale_sets=tuple(p.lower() for p in match.get("scale_set", ())),
+            vms=tuple(p.lower() for p in match.get("vm", ())),
         ),
         prepare=_hooks(raw.get("prepare", []), f"{raw['name']}.prepare", ["rules", index, "prepare"], fail,
                        check_commands),
@@ -628,8 +677,8 @@ def _node_action(raw: str | Mapping[str, Any], at: list[str | int], rule: str, f
 
 # --- deciding ---------------------------------------------------------------------------------
 
-def mismatch(match: Match, event: Event, vm_name: str | None, now: float) -> str | None:
-    """Why `match` does not fit `event` (None when it does)."""
+def mismatch(match: Match, event: Event, vm_name: str | None, now: float, place: Place | None = None) -> str | None:
+    """Why `match` does not fit `event` (None when it does); `place` says where it is in fleet mode."""
     if match.event_type is not None and event.event_type not in match.event_type:
         return f"event_type {event.event_type} not in {sorted(match.event_type)}"
     if match.source is not None and (event.source or "") not in match.source:
@@ -657,14 +706,39 @@ def mismatch(match: Match, event: Event, vm_name: str | None, now: float) -> str
         return f"no resource matches {list(match.resources)}"
     if match.description is not None and not match.description.search(event.description or ""):
         return f"description does not match /{match.description.pattern}/"
+    if match.uses_place:
+        return _misplaced(match, place)
     return None
 
 
-def first_match(policy: Policy, event: Event, vm_name: str | None, now: float) -> tuple[Rule | None, list[str]]:
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in patterns)
+
+
+def _misplaced(match: Match, place: Place | None) -> str | None:
+    """Why the fleet keys of `match` do not fit `place` (None when they do)."""
+    if place is None:
+        return "subscription, resource_group, scale_set and vm match only in forewarn fleet"
+    if match.subscriptions is not None and place.subscription_id.lower() not in match.subscriptions:
+        return f"subscription {place.subscription_id} not in the rule's"
+    if match.resource_groups and not _matches(place.resource_group, match.resource_groups):
+        return f"resource group {place.resource_group} matches none of {list(match.resource_groups)}"
+    if match.scale_sets and not (place.scale_set and _matches(place.scale_set, match.scale_sets)):
+        return (f"scale set {place.scale_set} matches none of {list(match.scale_sets)}" if place.scale_set
+                else "not a scale set's event")
+    if match.vms:
+        others = [vm for vm in place.vms if not _matches(vm, match.vms)] if place.vms else ["(no VM)"]
+        if others:
+            return f"VM {others[0]} in Resources matches none of {list(match.vms)} (an approval releases them all)"
+    return None
+
+
+def first_match(policy: Policy, event: Event, vm_name: str | None, now: float,
+                place: Place | None = None) -> tuple[Rule | None, list[str]]:
     """The first rule that fits, and why each earlier rule did not."""
     misses: list[str] = []
     for rule in policy.rules:
-        why = mismatch(rule.match, event, vm_name, now)
+        why = mismatch(rule.match, event, vm_name, now, place)
         if why is None:
             return rule, misses
         misses.append(f"{rule.name}: {why}")
@@ -678,9 +752,11 @@ def in_window(policy: Policy, event_type: str, now: float) -> bool:
     return any(window.contains(moment) for window in policy.windows)
 
 
-def decide(policy: Policy, event: Event, vm_name: str | None, now: float, first_seen: float) -> Decision:
-    """What to do with `event` at `now`, seen first at `first_seen`, as the VM `vm_name`."""
-    rule, misses = first_match(policy, event, vm_name, now)
+def decide(policy: Policy, event: Event, vm_name: str | None, now: float, first_seen: float,
+           place: Place | None = None) -> Decision:
+    """What to do with `event` at `now`, seen first at `first_seen`, as the VM `vm_name`; in fleet mode, for
+    the event at `place` (the fleet approves for every VM in Resources at once: no leader among them)."""
+    rule, misses = first_match(policy, event, vm_name, now, place)
     skipped = tuple(misses)
     if rule is None:
         return Decision("hold", None, "no rule matched (events no rule matches are held)", skipped=skipped)
@@ -689,11 +765,11 @@ def decide(policy: Policy, event: Event, vm_name: str | None, now: float, first_
     if event.status != "Scheduled":
         return Decision("hold", rule, f"already {event.status}: only Scheduled events can be approved",
                         skipped=skipped)
-    if not event.affects(vm_name):
+    if place is None and not event.affects(vm_name):
         return Decision("hold", rule, "this VM is not in Resources; only an affected VM approves, since "
                         "an approval releases the event for every VM it lists", skipped=skipped)
     earliest = first_seen + rule.delay
-    position = event.resources.index(vm_name) if vm_name in event.resources else 0
+    position = event.resources.index(vm_name) if place is None and vm_name in event.resources else 0
     if policy.leader_mode == "first" and position != 0:
         return Decision("hold", rule, f"leader mode first: {event.resources[0]} approves", skipped=skipped)
     if policy.leader_mode == "staggered" and position:

@@ -32,6 +32,7 @@ from forewarn import __version__
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
+from forewarn.imds.document import EVENT_TYPES
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.outbox.store import Backlog
 
@@ -96,6 +97,9 @@ class FleetMetrics:
                                       "(moved to the poison queue), unreadable.", ["result"], registry=r)
         self.duplicates = Counter("azure_scheduled_events_duplicates_total",
                                   "News dropped as a repeat: the same delivery, or nothing new.", registry=r)
+        self.approvals = Counter("azure_scheduled_events_approvals_total",
+                                 "Approval decisions carried out through ARM's acknowledge call, by result.",
+                                 ["event_type", "result"], registry=r)
         self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
                                    "Changes not announced because the previous active replica had announced them "
                                    "(the Lease's handover).", registry=r)
@@ -108,6 +112,9 @@ class FleetMetrics:
                                      ["result"], registry=r)
         for name in SOURCES:
             self.source_errors.labels(name)
+        for event_type in EVENT_TYPES:
+            for result in ("approved", "dry_run", "failed"):
+                self.approvals.labels(event_type, result)
         for result in PUSH_RESULTS:
             self.push_requests.labels(result)
         for result in ("received", "deleted", "poisoned", "unreadable"):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forewarn import __version__
 from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, redact_url
@@ -45,6 +45,9 @@ from forewarn.tracker import ChangeKind
 from forewarn.web.endpoints import add_metrics_endpoints, readiness_check
 from forewarn.web.server import HttpServer
 from forewarn.web.setup import web_gate, web_server
+
+if TYPE_CHECKING:
+    from forewarn.approval.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,11 @@ class FleetCommitter:
             log.info("resuming from saved state: %d open event(s), %d ended remembered",
                      len(tracker.open_events), len(tracker.ended_keys))
         return tracker
+
+    def open_events(self) -> list[FleetEvent]:
+        """The open events as last committed (for the approver, on its own thread)."""
+        with self._lock:
+            return self.tracker.open_events
 
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
         """Events from a push or a queue message; returns once their changes are committed (or raises)."""
@@ -289,6 +297,7 @@ def run_fleet(settings: FleetSettings) -> int:
                           "--eventgrid-secret-file (make one with: openssl rand -hex 32)")
     if settings.subscription and settings.management_group:
         raise ConfigError("--subscription and --management-group: give one scope or the other")
+    policy = load_fleet_policy(settings)
     stop = threading.Event()
     handle_signals(stop)
     log.info("forewarn %s fleet starting with %s", __version__, json.dumps(
@@ -330,6 +339,14 @@ def run_fleet(settings: FleetSettings) -> int:
         runners.append(QueueReader(queue, committer, metrics))
     if "eventgrid" in sources:
         add_push(settings, server, committer, metrics)
+    if policy is not None:
+        from forewarn.fleet.approval import FleetApprover
+
+        acknowledger = build_acknowledger(settings, stop)
+        closers.append(acknowledger.close)
+        runners.append(FleetApprover(policy, acknowledger, committer.open_events,
+                                     lambda records: committer.outbox.append(records), metrics.approvals,
+                                     dry_run=settings.dry_run, active=committer.active))
 
     server.start()
     for worker in workers:
@@ -369,6 +386,45 @@ def run_fleet(settings: FleetSettings) -> int:
         log.info("stopped")
         ignore_stop_signals()
     return 0
+
+
+def load_fleet_policy(settings: FleetSettings) -> Policy | None:
+    """The approval policy in fleet mode, or None (then nothing is acknowledged). The policy's libraries
+    (jsonschema, yaml) are imported only when there is one."""
+    if not settings.policy:
+        return None
+    from forewarn.approval.policy import PolicyError, load_policy
+
+    try:
+        policy = load_policy(settings.policy, fleet=True)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    log.info("approval policy %s: %d rule(s)%s", settings.policy, len(policy.rules),
+             "; DRY RUN: nothing is acknowledged" if settings.dry_run or policy.dry_run else "")
+    return policy
+
+
+def build_credential(settings: FleetSettings) -> Any:
+    """azure-identity's credential for ARM: the user-assigned managed identity --arm-client-id names, else
+    DefaultAzureCredential (workload identity, managed identity, ...)."""
+    try:
+        from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+    except ImportError as exc:
+        raise ConfigError(f"Resource Graph and acknowledgements need azure-identity: pip install "
+                          f"'forewarn[fleet]' ({exc})") from None
+    if settings.arm_client_id:
+        return ManagedIdentityCredential(client_id=settings.arm_client_id)
+    return DefaultAzureCredential(exclude_interactive_browser_credential=True)
+
+
+def build_acknowledger(settings: FleetSettings, stop: threading.Event) -> Any:
+    from forewarn.fleet.acknowledge import Acknowledger
+
+    try:
+        return Acknowledger(settings.arm_endpoint, build_credential(settings),
+                            api_version=settings.acknowledge_api_version, timeout=settings.arm_timeout, stop=stop)
+    except ValueError as exc:
+        raise ConfigError(f"--arm-endpoint / --acknowledge-api-version: {exc}") from None
 
 
 def build_elector(settings: FleetSettings) -> Any:
@@ -419,15 +475,9 @@ def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommit
 
 def build_resource_graph(settings: FleetSettings, stop: threading.Event) -> Any:
     """The Resource Graph client, with azure-identity's credential (imported only when configured)."""
-    try:
-        from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
-    except ImportError as exc:
-        raise ConfigError(f"--subscription/--management-group need azure-identity: pip install "
-                          f"'forewarn[fleet]' ({exc})") from None
+    credential = build_credential(settings)
     from forewarn.fleet.resourcegraph import ResourceGraphClient
 
-    credential = ManagedIdentityCredential(client_id=settings.arm_client_id) if settings.arm_client_id \
-        else DefaultAzureCredential(exclude_interactive_browser_credential=True)
     try:
         return ResourceGraphClient(settings.arm_endpoint, credential, api_version=settings.resource_graph_api_version,
                                    timeout=settings.arm_timeout, max_reply_bytes=settings.arm_max_reply_bytes,

@@ -1,0 +1,170 @@
+"""Approving the fleet's events by policy: decided here, acknowledged through ARM, recorded in the outbox.
+
+`FleetApprover` is a source of the active replica's term (forewarn.sources): every `tick` seconds it reads the
+open events from the committer and asks the policy (forewarn.approval.policy, in fleet mode, with the event's
+place: subscription, resource group, scale set, VMs) what to do with each Scheduled one. An event the policy
+approves, once its delay, `approve_within` and maintenance windows allow and within `max_approvals_per_hour`,
+is acknowledged through ARM (forewarn.fleet.acknowledge; the events of one target together, where the
+api-version has the list form), and each VM in its Resources gets an `approved` record naming the rule.
+
+Safety, as in the per-VM agent: without a policy there is no approver, so nothing is acknowledged; an event no
+rule matches is held; only Scheduled events are approved; `--dry-run` (or the policy's `dry_run`) records
+what would be approved and sends nothing. An acknowledgement that fails is tried again after a backoff while
+the event stays Scheduled; one ARM refuses for good (404: the event is gone, 403: no right) is not tried again
+for that event, and says why once. Only the Lease holder acknowledges: the committer's `active()` is asked
+before every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from forewarn.approval.policy import Place, Policy, decide
+from forewarn.fleet.armid import COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS, parse_arm_id
+from forewarn.fleet.feed import FleetEvent, vm_ids
+from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
+from forewarn.fleet.tracker import event_key
+from forewarn.records import Record, approval_record
+from forewarn.retry import Backoff
+
+log = logging.getLogger(__name__)
+
+#: How often the open events are looked at (delays, windows and NotBefore move with the clock).
+DEFAULT_TICK = 1.0
+
+
+@dataclass
+class _Track:
+    first_seen: float
+    stage: str = "waiting"       # waiting, approved (acknowledged), decided (dry run), refused (ARM said no)
+    attempts: int = 0
+    next_attempt: float = 0.0
+    said: str = ""
+
+
+def place_of(event: FleetEvent) -> Place:
+    """Where `event` is, for the policy's fleet keys."""
+    target = parse_arm_id(event.resource_id)
+    scale_set = target.name if target.is_type(COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS) else ""
+    vms = tuple(parse_arm_id(vm).name for vm in vm_ids(event))
+    return Place(event.subscription_id, event.resource_group, scale_set, vms)
+
+
+class FleetApprover:
+    """Approves by `policy` the open events `open_events()` gives, through `acknowledger` (anything with
+    `acknowledge(target, event_ids)`), while `active()`; `record` commits records (the outbox)."""
+
+    name = "approver"
+
+    def __init__(self, policy: Policy, acknowledger: Any, open_events: Callable[[], Sequence[FleetEvent]],
+                 record: Callable[[Sequence[Record]], object], approvals: Any, dry_run: bool = False,
+                 active: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
+                 tick: float = DEFAULT_TICK) -> None:
+        self.policy = policy
+        self.acknowledger = acknowledger
+        self.open_events = open_events
+        self.record = record
+        self.approvals = approvals     # the azure_scheduled_events_approvals_total counter
+        self.dry_run = dry_run or policy.dry_run
+        self.active = active
+        self.clock = clock
+        self.tick = tick
+        self._tracks: dict[tuple[str, str], _Track] = {}
+        self._recent: deque[float] = deque()   # approvals within the last hour, for max_approvals_per_hour
+        self._backoff = Backoff(base=2.0, cap=60.0)
+        self._cap_said = False
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.step(stop)
+            except Exception:  # a bug must not end the approvals of the term
+                log.exception("the fleet approver failed; trying again at the next tick")
+            stop.wait(self.tick)
+
+    def step(self, stop: threading.Event | None = None) -> None:
+        """One look at the open events: decide, then acknowledge what is due, target by target."""
+        now = self.clock()
+        events = {event_key(event): event for event in self.open_events()}
+        for key in [key for key in self._tracks if key not in events]:
+            del self._tracks[key]    # ended: forgotten
+        due: dict[str, list[tuple[FleetEvent, str]]] = {}
+        for key, fleet_event in events.items():
+            if fleet_event.event.status != "Scheduled":
+                continue
+            track = self._tracks.setdefault(key, _Track(first_seen=now))
+            if track.stage != "waiting" or now < track.next_attempt:
+                continue
+            decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, place_of(fleet_event))
+            if decision.action != "approve" or decision.rule is None:
+                self._say(track, fleet_event, decision.reason)
+                continue
+            if decision.earliest is not None and now < decision.earliest:
+                self._say(track, fleet_event, f"{decision.reason}; not before "
+                          f"{datetime.fromtimestamp(decision.earliest, tz=timezone.utc):%H:%M:%S}Z")
+                continue
+            due.setdefault(fleet_event.resource_id, []).append((fleet_event, decision.rule.name))
+        for target, batch in due.items():
+            batch = self._within_cap(batch, now)
+            if not batch or (stop is not None and stop.is_set()) or not self.active():
+                continue
+            self._approve(target, batch)
+
+    def _within_cap(self, batch: list[tuple[FleetEvent, str]], now: float) -> list[tuple[FleetEvent, str]]:
+        cap = self.policy.max_approvals_per_hour
+        if cap is None:
+            return batch
+        while self._recent and self._recent[0] <= now - 3600:
+            self._recent.popleft()
+        room = max(0, cap - len(self._recent))
+        if len(batch) > room and not self._cap_said:
+            log.warning("approval cap reached (%d per hour): holding %d event(s)", cap, len(batch) - room)
+        self._cap_said = len(batch) > room
+        return batch[:room]
+
+    def _approve(self, target: str, batch: list[tuple[FleetEvent, str]]) -> None:
+        from forewarn.fleet.acknowledge import AcknowledgeError
+
+        now = self.clock()
+        tracks = [self._tracks[event_key(event)] for event, _ in batch]
+        if not self.dry_run:
+            try:
+                self.acknowledger.acknowledge(target, [event.event.event_id for event, _ in batch])
+            except AcknowledgeError as exc:
+                for (event, _), track in zip(batch, tracks, strict=True):
+                    self.approvals.labels(event.event.event_type, "failed").inc()
+                    track.attempts += 1
+                    if exc.retryable:
+                        track.next_attempt = now + self._backoff.delay(track.attempts - 1)
+                    else:
+                        track.stage = "refused"
+                log.error("acknowledging %s on %s failed (%s); %s", ", ".join(e.event.event_id for e, _ in batch),
+                          target, exc, "will try again while Scheduled" if exc.retryable else "not tried again")
+                return
+        self._recent.extend([now] * len(batch))
+        at = datetime.fromtimestamp(now, tz=timezone.utc)
+        records: list[Record] = []
+        for (event, rule), track in zip(batch, tracks, strict=True):
+            track.stage = "decided" if self.dry_run else "approved"
+            self.approvals.labels(event.event.event_type, "dry_run" if self.dry_run else "approved").inc()
+            log.warning("%s event %s (%s, NotBefore %s) on %s by rule %s",
+                        "DRY RUN: would acknowledge" if self.dry_run else "acknowledged", event.event.event_id,
+                        event.event.event_type, event.event.raw.get("NotBefore") or "-", target, rule)
+            for vm_resource_id in vm_ids(event):
+                records.append(approval_record(event.event, fleet_vm(event, vm_resource_id), rule, self.dry_run,
+                                               FLEET_INCARNATION, at))
+        self.record(records)
+
+    @staticmethod
+    def _say(track: _Track, event: FleetEvent, text: str) -> None:
+        if text != track.said:
+            track.said = text
+            log.info("event %s on %s (%s %s): %s", event.event.event_id, event.resource_id, event.event.event_type,
+                     event.event.status, text)

@@ -1,0 +1,179 @@
+"""Approving the fleet's events: the policy's fleet mode (place keys, what only one mode can mean) and the
+FleetApprover deciding and acknowledging through the real Acknowledger against the strict ARM stand-in."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.core.credentials import AccessToken
+
+from forewarn.approval.policy import Place, PolicyError, decide, parse_policy
+from forewarn.fleet.acknowledge import Acknowledger
+from forewarn.fleet.approval import FleetApprover, place_of
+from forewarn.fleet.feed import FleetEvent
+from forewarn.fleet.metrics import FleetMetrics
+from forewarn.imds.document import Event
+from forewarn.records import Record
+
+from peers.arm import ArmPeer
+from peers.pki import Authority
+
+SUB = str(uuid.UUID(int=11))
+RG = "MC_rg-aks_cluster_westeurope"
+VMSS = f"/subscriptions/{SUB}/resourceGroups/{RG}/providers/Microsoft.Compute/virtualMachineScaleSets/aks-pool"
+VM = f"/subscriptions/{SUB}/resourceGroups/rg-web/providers/Microsoft.Compute/virtualMachines/web-1"
+NOW = 1_800_000_000.0
+
+FLEET_POLICY = f"""
+rules:
+  - name: web-reboots
+    action: approve
+    match: {{event_type: [Reboot], vm: ["web-*"], resource_group: [RG-WEB]}}
+  - name: aks-pools
+    action: approve
+    delay: 30
+    match: {{subscription: ["{SUB.upper()}"], scale_set: ["aks-*"]}}
+"""
+
+
+def event_at(target: str, n: int, resources: tuple[str, ...], event_type: str = "Reboot",
+             status: str = "Scheduled") -> FleetEvent:
+    event_id = str(uuid.UUID(int=70_000 + n))
+    not_before = datetime.fromtimestamp(NOW, tz=timezone.utc) + timedelta(minutes=15)
+    raw = {"EventId": event_id, "EventType": event_type, "EventStatus": status, "ResourceType": "VirtualMachine",
+           "Resources": list(resources), "NotBefore": not_before.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+           "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
+    event = Event(event_id, event_type, status, "VirtualMachine", resources, not_before, "", "Platform", -1, raw=raw)
+    group = target.split("/resourceGroups/")[1].split("/")[0]
+    return FleetEvent(target, SUB, group, event, "resourcegraph", location="westeurope")
+
+
+def test_fleet_keys_match_where_the_event_is_and_every_vm_it_releases() -> None:
+    policy = parse_policy(FLEET_POLICY, fleet=True)
+    web = event_at(VM, 1, ("web-1",))
+    assert place_of(web) == Place(SUB, "rg-web", "", ("web-1",))
+    decision = decide(policy, web.event, None, NOW, NOW, place_of(web))
+    assert (decision.action, decision.rule and decision.rule.name) == ("approve", "web-reboots")
+    pool = event_at(VMSS, 2, ("aks-pool_0", "aks-pool_3"))
+    assert place_of(pool).scale_set == "aks-pool"
+    decision = decide(policy, pool.event, None, NOW, NOW, place_of(pool))
+    assert decision.rule is not None and decision.rule.name == "aks-pools" and decision.earliest == NOW + 30
+    # a rule's vm patterns must cover every VM in Resources: an approval releases all of them
+    avset = f"/subscriptions/{SUB}/resourceGroups/rg-web/providers/Microsoft.Compute/availabilitySets/web"
+    assert decide(policy, event_at(avset, 4, ("web-1", "web-2")).event, None, NOW, NOW,
+                  place_of(event_at(avset, 4, ("web-1", "web-2")))).action == "approve"
+    mixed = event_at(avset, 5, ("web-1", "db-1"))
+    decision = decide(policy, mixed.event, None, NOW, NOW, place_of(mixed))
+    assert decision.action == "hold" and "VM db-1 in Resources matches none" in " ".join(decision.skipped)
+    other = replace(pool, subscription_id=str(uuid.UUID(int=12)))
+    assert decide(policy, other.event, None, NOW, NOW, place_of(other)).action == "hold"
+
+
+@pytest.mark.parametrize(("text", "fleet", "message"), [
+    ("rules: [{name: a, action: approve, match: {affects_this_vm: true}}]", True,
+     "rules[0].match.affects_this_vm: forewarn fleet is none of the VMs"),
+    ("rules: [{name: a, action: approve, node: [cordon]}]", True, "node actions from forewarn fleet are not built"),
+    ("leader: {mode: first}\nrules: [{name: a, action: approve}]", True, "there is no leader"),
+    ("rules: [{name: a, action: approve, match: {vm: [web-*]}}]", False, "matches only in forewarn fleet"),
+    ("rules: [{name: a, action: approve, match: {subscription: [not-a-guid]}}]", True, "subscription"),
+])
+def test_what_only_one_mode_can_mean_is_refused_with_the_field(text: str, fleet: bool, message: str) -> None:
+    with pytest.raises(PolicyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_policy(text, "policy.yaml", fleet=fleet)
+
+
+# --- the approver, through the real Acknowledger -------------------------------------------------------------
+
+class FixedToken:
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        return AccessToken("ack-token", 2_000_000_000)
+
+
+@pytest.fixture
+def arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ArmPeer]:
+    authority = Authority("approval-test-ca")
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(authority.pem)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bundle))
+    peer = ArmPeer(authority, token="ack-token")
+    yield peer
+    peer.stop()
+
+
+def serve(arm: ArmPeer, *events: FleetEvent) -> None:
+    arm.rows = [{"id": f"{e.resource_id}/providers/Microsoft.Maintenance/scheduledevents/{e.event.event_id}",
+                 "name": e.event.event_id, "subscriptionId": SUB} for e in events]
+
+
+class Harness:
+    def __init__(self, arm: ArmPeer, policy_text: str, dry_run: bool = False) -> None:
+        self.events: list[FleetEvent] = []
+        self.records: list[Record] = []
+        self.now = NOW
+        self.metrics = FleetMetrics(["resourcegraph"])
+        self.approver = FleetApprover(parse_policy(policy_text, fleet=True), Acknowledger(arm.base, FixedToken()),
+                                      lambda: self.events, self.records.extend, self.metrics.approvals,
+                                      dry_run=dry_run, clock=lambda: self.now)
+
+    def step(self, seconds: float = 0.0) -> None:
+        self.now += seconds
+        self.approver.step(threading.Event())
+
+    def approved(self, result: str = "approved") -> float:
+        return sum(self.metrics.approvals.labels(t, result)._value.get() for t in ("Reboot", "Freeze"))
+
+
+def test_events_are_acknowledged_once_by_rule_with_a_record_per_vm(arm: ArmPeer) -> None:
+    web, pool = event_at(VM, 1, ("web-1",)), event_at(VMSS, 2, ("aks-pool_0", "aks-pool_3"))
+    held = event_at(VM, 3, ("web-1",), event_type="Freeze")          # no rule matches a Freeze
+    serve(arm, web, pool, held)
+    harness = Harness(arm, FLEET_POLICY)
+    harness.events = [web, pool, held]
+    harness.step()
+    assert [(target, event) for target, event, _, _ in arm.received.acks] == [(VM.lower(), web.event.event_id)]
+    harness.step(29)
+    assert len(arm.received.acks) == 1                               # the pool's rule waits 30 s
+    harness.step(1)
+    harness.step(5)
+    assert [event for _, event, _, _ in arm.received.acks] == [web.event.event_id, pool.event.event_id]
+    assert [(r.data["vm"]["name"], r.data["policy_rule"], r.data["dry_run"]) for r in harness.records] == [
+        ("web-1", "web-reboots", False), ("aks-pool_0", "aks-pools", False), ("aks-pool_3", "aks-pools", False)]
+    assert harness.approved() == 2 and not arm.received.errors
+
+
+def test_a_dry_run_decides_and_records_but_sends_nothing(arm: ArmPeer) -> None:
+    web = event_at(VM, 1, ("web-1",))
+    serve(arm, web)
+    harness = Harness(arm, FLEET_POLICY, dry_run=True)
+    harness.events = [web]
+    harness.step()
+    harness.step(60)
+    assert arm.received.acks == [] and arm.received.ack_statuses == []
+    assert [(r.data["policy_rule"], r.data["dry_run"]) for r in harness.records] == [("web-reboots", True)]
+    assert harness.approved("dry_run") == 1
+
+
+def test_a_failed_acknowledgement_is_tried_again_and_a_refused_one_is_not(arm: ArmPeer) -> None:
+    web, gone = event_at(VM, 1, ("web-1",)), event_at(VM, 9, ("web-1",))
+    serve(arm, web)                                                  # `gone` is unknown to ARM: 404
+    arm.ack_faults.fail, arm.ack_faults.fail_retry_after = 5, "0"
+    harness = Harness(arm, FLEET_POLICY)
+    harness.approver.acknowledger = Acknowledger(arm.base, FixedToken(), attempts=2)
+    harness.events = [web]
+    harness.step()
+    assert arm.received.acks == [] and harness.approved("failed") == 1 and harness.records == []
+    arm.ack_faults.fail = 0
+    harness.step(120)                                                # after the backoff
+    assert [event for _, event, _, _ in arm.received.acks] == [web.event.event_id]
+    harness.events = [web, gone]
+    harness.step(5)
+    harness.step(300)
+    assert arm.received.ack_statuses.count(404) == 1                 # refused for good: asked once
+    assert [r.data["event"]["EventId"] for r in harness.records] == [web.event.event_id]
