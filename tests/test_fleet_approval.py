@@ -177,3 +177,39 @@ def test_a_failed_acknowledgement_is_tried_again_and_a_refused_one_is_not(arm: A
     harness.step(300)
     assert arm.received.ack_statuses.count(404) == 1                 # refused for good: asked once
     assert [r.data["event"]["EventId"] for r in harness.records] == [web.event.event_id]
+
+
+def test_policy_check_and_explain_in_fleet_mode(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    policy = tmp_path / "fleet-policy.yaml"
+    policy.write_text(FLEET_POLICY)
+    rows = tmp_path / "rows.json"
+    web = {"id": f"{VM}/providers/Microsoft.Maintenance/scheduledevents/{uuid.UUID(int=1)}",
+           "name": str(uuid.UUID(int=1)), "subscriptionId": SUB, "resourceGroup": "rg-web",
+           "properties": {"EventId": str(uuid.UUID(int=1)), "EventType": "Reboot", "EventStatus": "Scheduled",
+                          "ResourceType": "VirtualMachine", "Resources": ["web-1"], "NotBefore": "",
+                          "EventSource": "Platform"}}
+    freeze = json.loads(json.dumps(web).replace(str(uuid.UUID(int=1)), str(uuid.UUID(int=2))))
+    freeze["properties"]["EventType"] = "Freeze"
+    rows.write_text(json.dumps({"data": [web, freeze, {"id": "nonsense"}]}))
+
+    def forewarn(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forewarn", "policy", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    checked = forewarn("check", "--fleet", str(policy))
+    assert checked.returncode == 0 and "OK (2 rule(s), fleet mode)" in checked.stdout
+    refused = forewarn("check", str(policy))          # the fleet keys mean nothing to the per-VM agent
+    assert refused.returncode == 2 and "matches only in forewarn fleet" in refused.stderr
+    explained = forewarn("explain", "--fleet", str(policy), "--rows", str(rows))
+    assert explained.returncode == 0, explained.stderr
+    blocks = explained.stdout.split("\n\n")
+    assert "row 2: skipped" in explained.stdout
+    web_block = next(block for block in blocks if str(uuid.UUID(int=1)) in block)
+    assert "subscription " + SUB in web_block and "VMs web-1" in web_block
+    assert "matched  web-reboots" in web_block and "decision APPROVE" in web_block
+    freeze_block = next(block for block in blocks if str(uuid.UUID(int=2)) in block)
+    assert "matched  (no rule)" in freeze_block and "decision HOLD" in freeze_block

@@ -123,8 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     check.add_argument("--no-command-check", dest="check_commands", action="store_false",
                        help="do not require hook commands to exist here (checking a policy for other machines)")
+    check.add_argument("--fleet", action="store_true", help="a policy for forewarn fleet (its match keys)")
     explain = policy_commands.add_parser("explain", help="what the policy would do with each event, and why")
     explain.add_argument("file")
+    explain.add_argument("--fleet", action="store_true",
+                         help="a policy for forewarn fleet, explained for the events of --rows")
+    explain.add_argument("--rows", metavar="ROWS.json",
+                         help="with --fleet: Resource Graph rows of scheduled events (a JSON array, or a reply "
+                         "with data, as `az graph query` prints)")
     explain.add_argument("--document", metavar="DOC.json",
                          help="a Scheduled Events document to explain (default: the current one from IMDS)")
     explain.add_argument("--vm-name", metavar="NAME",
@@ -262,13 +268,14 @@ def cmd_policy(args: argparse.Namespace) -> int:
         raise ConfigError("policy needs a subcommand: check or explain")
     try:
         # explain answers "what would it decide", also on a laptop without the VMs' hook programs.
-        policy = load_policy(args.file, check_commands=args.policy_command == "check" and args.check_commands)
+        policy = load_policy(args.file, check_commands=args.policy_command == "check" and args.check_commands,
+                             fleet=args.fleet)
     except PolicyError as exc:
         print(f"forewarn policy: {exc}", file=sys.stderr)
         return 2
     if args.policy_command == "check":
-        print(f"{args.file}: OK ({len(policy.rules)} rule(s), leader mode {policy.leader_mode}"
-              f"{', dry run' if policy.dry_run else ''})")
+        mode = "fleet mode" if args.fleet else f"leader mode {policy.leader_mode}"
+        print(f"{args.file}: OK ({len(policy.rules)} rule(s), {mode}{', dry run' if policy.dry_run else ''})")
         # Hook targets as the log shows them: a webhook as scheme://host/... (its path or query is a token).
         for checked in policy.rules:
             for hook in checked.prepare:
@@ -279,6 +286,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for hook in policy.recover:
             print(f"  recover hook {hook.name}: {hook.target()}")
         return 0
+    if args.fleet:
+        return _explain_fleet(args, policy)
     vm_name = args.vm_name
     if args.document:
         from forewarn.imds.document import parse_document
@@ -319,6 +328,42 @@ def cmd_policy(args: argparse.Namespace) -> int:
         if rule is not None and rule.prepare and decision.action != "hold":
             print(f"  prepare  {', '.join(f'{hook.name} ({hook.target()})' for hook in rule.prepare)} "
                   "must succeed first")
+    return 0
+
+
+def _explain_fleet(args: argparse.Namespace, policy: Any) -> int:
+    """`policy explain --fleet --rows ROWS.json`: each Resource Graph row's event, where it is, and the decision."""
+    from forewarn.approval.policy import decide
+    from forewarn.fleet.approval import place_of
+    from forewarn.fleet.feed import FeedError, parse_resource_graph_row
+    from forewarn.imds.reply import ReplyError, decode_reply
+
+    if not args.rows:
+        raise ConfigError("policy explain --fleet needs --rows ROWS.json (Resource Graph rows of scheduled events)")
+    try:
+        value, _ = decode_reply(read_text_file(args.rows, "--rows").encode())
+    except ReplyError as exc:
+        raise ConfigError(f"--rows {args.rows}: {exc}") from None
+    rows = value.get("data") if isinstance(value, dict) else value
+    if not isinstance(rows, list):
+        raise ConfigError(f"--rows {args.rows}: expected a JSON array of rows, or an object with data")
+    now = datetime.now(timezone.utc).timestamp()
+    print(f"policy {args.file} (fleet mode), {len(rows)} row(s)")
+    for index, row in enumerate(rows):
+        try:
+            fleet_event = parse_resource_graph_row(row)
+        except FeedError as exc:
+            print(f"\nrow {index}: skipped: {exc}")
+            continue
+        event, place = fleet_event.event, place_of(fleet_event)
+        decision = decide(policy, event, None, now, now, place)
+        print(f"\n{event.event_id}  {event.event_type} {event.status} on {fleet_event.resource_id}")
+        print(f"  where    subscription {place.subscription_id}, resource group {place.resource_group}"
+              f"{f', scale set {place.scale_set}' if place.scale_set else ''}, VMs {','.join(place.vms) or '-'}")
+        for miss in decision.skipped:
+            print(f"  skipped  {miss}")
+        print(f"  matched  {decision.rule.name if decision.rule else '(no rule)'}")
+        print(f"  decision {decision.action.upper()}: {decision.reason}")
     return 0
 
 
