@@ -122,6 +122,42 @@ def test_the_rendered_settings_are_what_forewarn_fleet_resolves(tmp_path: Path) 
     assert env_of(docs)["FOREWARN_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
+FLEET_POLICY = """rules:
+  - name: aks-pools
+    action: approve
+    match: {scale_set: ["aks-*"], event_type: [Reboot, Redeploy]}
+"""
+
+
+def test_a_fleet_policy_is_mounted_checked_and_resolved(tmp_path: Path) -> None:
+    """fleet.policy: the ConfigMap holds a policy `forewarn policy check --fleet` accepts, mounted where
+    FOREWARN_POLICY points, with the dry run and api-version set through the real option parser."""
+    from forewarn.cli import build_parser
+    from forewarn.config import resolve_fleet
+
+    assert "FOREWARN_POLICY" not in env_of(render(FLEET))             # no policy: nothing is acknowledged
+    docs = render(fleet(fleet={"policy": {"content": FLEET_POLICY, "dryRun": True,
+                                          "acknowledgeApiVersion": "2026-02-01-preview"}}))
+    lint_and_validate(fleet(fleet={"policy": {"content": FLEET_POLICY}}))
+    text = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-fleet-policy"))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text["data"]["policy.yaml"])
+    checked = subprocess.run(["forewarn", "policy", "check", "--fleet", str(policy)], capture_output=True,
+                             text=True, timeout=60)
+    assert checked.returncode == 0 and "1 rule(s), fleet mode" in checked.stdout, checked.stderr
+    mount = next(m for m in pod(docs)["containers"][0]["volumeMounts"] if m["name"] == "policy")
+    assert env_of(docs)["FOREWARN_POLICY"] == mount["mountPath"] and mount["readOnly"] is True
+    environ = {k: v for k, v in env_of(docs).items() if isinstance(v, str)}
+    environ["FOREWARN_POLICY"] = str(policy)
+    settings = resolve_fleet(build_parser().parse_args(["fleet"]), environ=environ)
+    assert settings.policy == str(policy) and settings.dry_run is True
+    assert settings.acknowledge_api_version == "2026-02-01-preview"
+    existing = render(fleet(fleet={"policy": {"existingConfigMap": "team-policy"}}))
+    volume = next(v for v in pod(existing)["volumes"] if v["name"] == "policy")
+    assert volume["configMap"]["name"] == "team-policy"
+    assert not [d for d in existing if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-fleet-policy")]
+
+
 def test_the_pod_is_locked_down_with_workload_identity_and_probes() -> None:
     docs = render(FLEET)
     deployment = one(docs, "Deployment")

@@ -3,7 +3,7 @@
 #   SUBSCRIPTION_ID=... STORAGE_ACCOUNT=... PRINCIPAL_ID=... deploy/azure/fleet-setup.sh
 # Optional: RESOURCE_GROUP (forewarn-fleet), LOCATION (westeurope), QUEUE (scheduled-events),
 # SYSTEM_TOPIC (forewarn-maintenance-resources), ASSIGN_SCHEDULED_EVENTS_CONTRIBUTOR=1 (only for acknowledging
-# events, which forewarn fleet does not do yet). PRINCIPAL_ID is the object id of forewarn's managed identity.
+# events, which forewarn fleet does with a policy). PRINCIPAL_ID is the object id of forewarn's managed identity.
 # Nothing secret is read or printed: forewarn reads the queue with its identity (Workload Identity).
 set -euo pipefail
 
