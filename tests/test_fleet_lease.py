@@ -366,25 +366,25 @@ def test_a_renew_period_that_cannot_keep_the_lease_is_refused(elector: Make, lea
 
 
 def test_the_holder_hands_over_in_the_lease_and_its_successor_reads_it(api: KubeApi, elector: Make) -> None:
-    """The handover annotation (forewarn.fleet.handover) rides on the renews: written only by the holder while
+    """The handover annotations (forewarn.fleet.handover) ride on the renews: written only by the holder while
     it holds the Lease, kept when another replica takes over, and read by that replica as it takes it."""
     from forewarn.fleet.handover import ANNOTATION
 
     clock = Clock()
     a, b = elector("a", clock), elector("b", clock)
-    a.handover = lambda: "AAAAAAAAAAA="
-    b.handover = lambda: "not-b-until-it-leads"
-    assert a.step() and a.inherited is None
+    a.handover = lambda: {ANNOTATION: "AAAAAAAAAAA="}
+    b.handover = lambda: {ANNOTATION: "not-b-until-it-leads"}
+    assert a.step() and a.inherited == {}
     assert ANNOTATION not in (the_lease(api)["metadata"].get("annotations") or {})  # a create hands over nothing
     clock.now = T0 + 0.5
     assert a.step() and not b.step()
     assert the_lease(api)["metadata"]["annotations"][ANNOTATION] == "AAAAAAAAAAA="
-    a.handover = lambda: None  # a sink has a backlog: the annotation stays as the last renew left it
+    a.handover = dict  # a sink has a backlog: the annotation stays as the last renew left it
     clock.now = T0 + 1.0
     assert a.step()
     assert the_lease(api)["metadata"]["annotations"][ANNOTATION] == "AAAAAAAAAAA="
     clock.now = T0 + 3.1  # a is gone; b takes over and inherits a's note, which the takeover write keeps
-    assert b.step() and b.inherited == "AAAAAAAAAAA="
+    assert b.step() and b.inherited.get(ANNOTATION) == "AAAAAAAAAAA="
     assert the_lease(api)["metadata"]["annotations"][ANNOTATION] == "AAAAAAAAAAA="
     clock.now = T0 + 3.6
     assert b.step()

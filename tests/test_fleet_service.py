@@ -313,12 +313,14 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
     """Two replicas reading Resource Graph under one Lease, each with its own state dir (an emptyDir): the
     active one announces the open events and hands over what reached its sink in the Lease; SIGKILL it, and the
     replica that takes over announces what changed and what is new since, not the events announced already."""
-    from forewarn.fleet.handover import ANNOTATION, decode
+    from forewarn.fleet.handover import ANNOTATION, APPROVED_ANNOTATION, decode
 
     from peers.kube_api import KubeApi
 
     role = tmp_path / "role.yaml"
     role.write_text(LEASE_ROLE)
+    policy = tmp_path / "policy.yaml"   # approves the Reboots: each once, whichever replica holds the Lease
+    policy.write_text("rules: [{name: reboots, action: approve, match: {event_type: [Reboot]}}]\n")
     arm = ArmPeer(authority, rows=[row(SUBS[n % 3], 300 + n) for n in range(6)])
     with KubeApi(cluster_role=role, namespaces=["forewarn"]) as api:
         replicas = []
@@ -328,7 +330,7 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
             home.mkdir()
             replicas.append(Fleet(home, arm, authority, None, None,
                                   extra=("--lease-name", "forewarn-fleet", "--lease-seconds", "3",
-                                         "--kubeconfig", str(kubeconfig))).start())
+                                         "--kubeconfig", str(kubeconfig), "--policy", str(policy))).start())
         try:
             def active() -> list[Fleet]:
                 return [r for r in replicas if "azure_scheduled_events_fleet_active 1.0" in (r.metrics() or "")]
@@ -337,16 +339,20 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
                 annotations = (api.leases() or [{}])[0].get("metadata", {}).get("annotations") or {}
                 return len(decode(annotations.get(ANNOTATION)))
 
+            def approved() -> int:
+                annotations = (api.leases() or [{}])[0].get("metadata", {}).get("annotations") or {}
+                return len(decode(annotations.get(APPROVED_ANNOTATION)))
+
             wait_until(lambda: len(active()) == 1, timeout=20, message="one active replica")
             (leader,) = active()
             (standby,) = [r for r in replicas if r is not leader]
-            wait_until(lambda: len(leader.records()) == 6 and handed_over() == 6, timeout=30,
-                       message="the six open events announced and handed over in the Lease")
+            wait_until(lambda: len(leader.records()) == 12 and handed_over() == 6 and approved() == 6, timeout=30,
+                       message="the six open events announced, approved and handed over in the Lease")
             leader.kill()
             arm.rows = [row(SUBS[0], 300, "Started"), *arm.rows[1:], row(SUBS[1], 399)]
             wait_until(lambda: "azure_scheduled_events_fleet_active 1.0" in (standby.metrics() or ""), timeout=20,
                        message="the standby to take over")
-            wait_until(lambda: len(standby.records()) >= 2, timeout=30, message="the news since, by the new one")
+            wait_until(lambda: len(standby.records()) >= 3, timeout=30, message="the news since, by the new one")
             time.sleep(2.5)  # two more snapshots: nothing else may come
             text = standby.metrics() or ""
             late = standby.records()
@@ -356,10 +362,12 @@ def test_a_takeover_announces_only_what_the_killed_replica_had_not(tmp_path: Pat
                     assert replica.stop() == 0, replica.log.read_text()[-3000:]
             arm.stop()
     assert sorted((r["data"]["vm"]["name"], r["data"]["change"], r["data"]["event"]["EventStatus"]) for r in late) == [
-        ("vm-300", "added", "Started"), ("vm-399", "added", "Scheduled")]
+        ("vm-300", "added", "Started"), ("vm-399", "added", "Scheduled"), ("vm-399", "approved", "Scheduled")]
     assert "azure_scheduled_events_handover_skipped_total 5.0" in text
     ids = [r["id"] for r in leader.records() + late]
-    assert len(ids) == len(set(ids)) == 8
+    assert len(ids) == len(set(ids)) == 15
+    # each event acknowledged once across both replicas: the six by the first, the new one by its successor
+    assert sorted(event for _, event, _, _ in arm.received.acks) == sorted(eid(n) for n in [*range(300, 306), 399])
 
 
 def test_a_queued_event_is_recorded_then_acknowledged_once_by_policy_through_arm(

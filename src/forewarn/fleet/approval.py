@@ -77,9 +77,31 @@ class FleetApprover:
         self.clock = clock
         self.tick = tick
         self._tracks: dict[tuple[str, str], _Track] = {}
+        self._digests: dict[bytes, _Track] = {}   # the same tracks by handover.key_digest
         self._recent: deque[float] = deque()   # approvals within the last hour, for max_approvals_per_hour
         self._backoff = Backoff(base=2.0, cap=60.0)
         self._cap_said = False
+        self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
+        self._inherited: set[bytes] = set()    # events the previous Lease holder approved
+
+    # --- the Lease's handover (forewarn.fleet.handover) -----------------------------------------------
+    def inherit(self, annotation: str | None) -> None:
+        """At the start of a term: the events the previous holder approved are not approved again."""
+        from forewarn.fleet.handover import decode
+
+        inherited = decode(annotation)
+        with self._lock:
+            self._inherited = set(inherited)
+        if inherited:
+            log.info("the previous active replica approved %d event(s); they are not approved again", len(inherited))
+
+    def handover(self) -> str:
+        """The events approved in this term (and those inherited), for the Lease."""
+        from forewarn.fleet.handover import encode
+
+        with self._lock:
+            return encode({digest for digest, track in self._digests.items()
+                           if track.stage in ("approved", "decided")} | self._inherited)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -91,15 +113,35 @@ class FleetApprover:
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target."""
+        with self._lock:
+            due = self._decide()
+        for target, batch in due.items():
+            batch = self._within_cap(batch, self.clock())
+            if not batch or (stop is not None and stop.is_set()) or not self.active():
+                continue
+            self._approve(target, batch)
+
+    def _decide(self) -> dict[str, list[tuple[FleetEvent, str]]]:
+        from forewarn.fleet.handover import key_digest
+
         now = self.clock()
         events = {event_key(event): event for event in self.open_events()}
         for key in [key for key in self._tracks if key not in events]:
             del self._tracks[key]    # ended: forgotten
+        live = {id(track) for track in self._tracks.values()}
+        self._digests = {digest: track for digest, track in self._digests.items() if id(track) in live}
         due: dict[str, list[tuple[FleetEvent, str]]] = {}
         for key, fleet_event in events.items():
             if fleet_event.event.status != "Scheduled":
                 continue
-            track = self._tracks.setdefault(key, _Track(first_seen=now))
+            track = self._tracks.get(key)
+            if track is None:
+                track = self._tracks[key] = _Track(first_seen=now)
+                digest = key_digest(fleet_event)
+                self._digests[digest] = track
+                if digest in self._inherited:
+                    track.stage = "approved"
+                    self._say(track, fleet_event, "approved by the previous active replica")
             if track.stage != "waiting" or now < track.next_attempt:
                 continue
             decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, place_of(fleet_event))
@@ -111,11 +153,7 @@ class FleetApprover:
                           f"{datetime.fromtimestamp(decision.earliest, tz=timezone.utc):%H:%M:%S}Z")
                 continue
             due.setdefault(fleet_event.resource_id, []).append((fleet_event, decision.rule.name))
-        for target, batch in due.items():
-            batch = self._within_cap(batch, now)
-            if not batch or (stop is not None and stop.is_set()) or not self.active():
-                continue
-            self._approve(target, batch)
+        return due
 
     def _within_cap(self, batch: list[tuple[FleetEvent, str]], now: float) -> list[tuple[FleetEvent, str]]:
         cap = self.policy.max_approvals_per_hour
@@ -133,26 +171,30 @@ class FleetApprover:
         from forewarn.fleet.acknowledge import AcknowledgeError
 
         now = self.clock()
-        tracks = [self._tracks[event_key(event)] for event, _ in batch]
+        with self._lock:
+            tracks = [self._tracks[event_key(event)] for event, _ in batch]
         if not self.dry_run:
             try:
                 self.acknowledger.acknowledge(target, [event.event.event_id for event, _ in batch])
             except AcknowledgeError as exc:
-                for (event, _), track in zip(batch, tracks, strict=True):
-                    self.approvals.labels(event.event.event_type, "failed").inc()
-                    track.attempts += 1
-                    if exc.retryable:
-                        track.next_attempt = now + self._backoff.delay(track.attempts - 1)
-                    else:
-                        track.stage = "refused"
+                with self._lock:
+                    for (event, _), track in zip(batch, tracks, strict=True):
+                        self.approvals.labels(event.event.event_type, "failed").inc()
+                        track.attempts += 1
+                        if exc.retryable:
+                            track.next_attempt = now + self._backoff.delay(track.attempts - 1)
+                        else:
+                            track.stage = "refused"
                 log.error("acknowledging %s on %s failed (%s); %s", ", ".join(e.event.event_id for e, _ in batch),
                           target, exc, "will try again while Scheduled" if exc.retryable else "not tried again")
                 return
         self._recent.extend([now] * len(batch))
         at = datetime.fromtimestamp(now, tz=timezone.utc)
         records: list[Record] = []
-        for (event, rule), track in zip(batch, tracks, strict=True):
-            track.stage = "decided" if self.dry_run else "approved"
+        with self._lock:
+            for track in tracks:
+                track.stage = "decided" if self.dry_run else "approved"
+        for event, rule in batch:
             self.approvals.labels(event.event.event_type, "dry_run" if self.dry_run else "approved").inc()
             log.warning("%s event %s (%s, NotBefore %s) on %s by rule %s",
                         "DRY RUN: would acknowledge" if self.dry_run else "acknowledged", event.event.event_id,

@@ -31,6 +31,8 @@ from forewarn.fleet.tracker import event_key, fingerprint
 log = logging.getLogger(__name__)
 
 ANNOTATION = "forewarn.io/announced"
+#: The events the holder approved (acknowledged, or decided in a dry run): its successor does not approve again.
+APPROVED_ANNOTATION = "forewarn.io/approved"
 DIGEST_BYTES = 8
 #: Digests written at most: 24,000 are 256,000 characters in base64 (with the key, under 256 KiB).
 MAX_DIGESTS = 24_000
@@ -41,6 +43,12 @@ def digest(event: FleetEvent) -> bytes:
     """The event as announced: equal for the same event with the same documented fields, from any replica."""
     resource, event_id = event_key(event)
     return hashlib.sha256(f"{resource}\x1f{event_id}\x1f{fingerprint(event)}".encode()).digest()[:DIGEST_BYTES]
+
+
+def key_digest(event: FleetEvent) -> bytes:
+    """The event itself, whatever its fields (an approval is of the event)."""
+    resource, event_id = event_key(event)
+    return hashlib.sha256(f"{resource}\x1f{event_id}".encode()).digest()[:DIGEST_BYTES]
 
 
 def encode(digests: Iterable[bytes]) -> str:
@@ -64,7 +72,7 @@ def decode(text: str | None) -> frozenset[bytes]:
         if len(raw) % DIGEST_BYTES:
             raise ValueError(f"{len(raw)} bytes, not a multiple of {DIGEST_BYTES}")
     except (ValueError, UnicodeEncodeError, binascii.Error) as exc:
-        log.warning("the Lease's %s annotation is not a list of digests (%s); announcing every open event "
-                    "again", ANNOTATION, str(exc)[:200])
+        log.warning("a handover annotation of the Lease is not a list of digests (%s); ignoring it: what it "
+                    "lists may be announced or approved again", str(exc)[:200])
         return frozenset()
     return frozenset(raw[start:start + DIGEST_BYTES] for start in range(0, len(raw), DIGEST_BYTES))

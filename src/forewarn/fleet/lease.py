@@ -24,13 +24,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from lightkube import ApiError, Client
 from lightkube.resources.coordination_v1 import Lease
 
-from forewarn.fleet.handover import ANNOTATION as HANDOVER_ANNOTATION
 from forewarn.logs import StateLog
 from forewarn.node.actions import rfc3339
 from forewarn.node.kube import KubeError, explain, lease_expired
@@ -74,12 +73,12 @@ class LeaseElector:
         self._written: dict[str, Any] | None = None  # the Lease as our last write left it (for the release)
         self._said: str | None = None  # the last role logged, to log each change once
         self._api = StateLog(log, f"lease {namespace}/{name}")
-        #: What each renew writes into the Lease's handover annotation (forewarn.fleet.handover): called
-        #: only while this replica holds the Lease; None leaves the annotation as it is.
-        self.handover: Callable[[], str | None] = lambda: None
-        #: The handover annotation as the previous holder left it, read when this replica took the Lease
-        #: (None when it created the Lease, renewed its own, or there was none).
-        self.inherited: str | None = None
+        #: The annotations each renew writes into the Lease (forewarn.fleet.handover): called only while this
+        #: replica holds the Lease; annotations it leaves out keep their values.
+        self.handover: Callable[[], Mapping[str, str]] = dict
+        #: The Lease's annotations as the previous holder left them, read when this replica took the Lease
+        #: (empty when it created the Lease or renewed its own).
+        self.inherited: Mapping[str, str] = {}
 
     # --- what metrics and the service read -------------------------------------------------------------
     @property
@@ -151,7 +150,7 @@ class LeaseElector:
         written = self._call("create", lambda: self.client.create(body, namespace=self.namespace), (409,))
         if written is None:
             return False
-        self.inherited = None
+        self.inherited = {}
         self._holder = self.identity
         self._written = written
         return True
@@ -163,16 +162,15 @@ class LeaseElector:
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if ours else 1)
         acquired = spec.get("acquireTime") if ours and spec.get("acquireTime") else rfc3339(now, micro=True)
         # A renew hands over what this term has announced; taking the Lease keeps the predecessor's note.
-        handover = self.handover() if ours and self.is_leader else None
+        handover = dict(self.handover()) if ours and self.is_leader else {}
         body = self._body(lease, {"holderIdentity": self.identity, "acquireTime": acquired,
-                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions},
-                          {HANDOVER_ANNOTATION: handover} if handover is not None else {})
+                                  "renewTime": rfc3339(now, micro=True), "leaseTransitions": transitions}, handover)
         written = self._call("update", lambda: self.client.replace(body), (404, 409))
         if written is None:  # written or deleted since we read it: not ours this round
             self._holder = self._current_holder()
             return False
         if not ours:
-            self.inherited = ((lease.get("metadata") or {}).get("annotations") or {}).get(HANDOVER_ANNOTATION)
+            self.inherited = dict((lease.get("metadata") or {}).get("annotations") or {})
         self._holder = self.identity
         self._written = written
         return True

@@ -48,6 +48,7 @@ from forewarn.web.setup import web_gate, web_server
 
 if TYPE_CHECKING:
     from forewarn.approval.policy import Policy
+    from forewarn.fleet.approval import FleetApprover
 
 log = logging.getLogger(__name__)
 
@@ -339,14 +340,16 @@ def run_fleet(settings: FleetSettings) -> int:
         runners.append(QueueReader(queue, committer, metrics))
     if "eventgrid" in sources:
         add_push(settings, server, committer, metrics)
+    approver: FleetApprover | None = None
     if policy is not None:
         from forewarn.fleet.approval import FleetApprover
 
         acknowledger = build_acknowledger(settings, stop)
         closers.append(acknowledger.close)
-        runners.append(FleetApprover(policy, acknowledger, committer.open_events,
-                                     lambda records: committer.outbox.append(records), metrics.approvals,
-                                     dry_run=settings.dry_run, active=committer.active))
+        approver = FleetApprover(policy, acknowledger, committer.open_events,
+                                 lambda records: committer.outbox.append(records), metrics.approvals,
+                                 dry_run=settings.dry_run, active=committer.active)
+        runners.append(approver)
 
     server.start()
     for worker in workers:
@@ -357,11 +360,23 @@ def run_fleet(settings: FleetSettings) -> int:
              f"; Lease {settings.lease_name} as {elector.identity}" if elector is not None else "")
     lease_thread = None
     if elector is not None:
-        elector.handover = committer.handover
+        def handover_notes() -> dict[str, str]:
+            """What this term announced and approved, for the Lease; nothing while a sink has a backlog."""
+            announced = committer.handover()
+            if announced is None:
+                return {}
+            notes = {handover.ANNOTATION: announced}
+            if approver is not None:
+                notes[handover.APPROVED_ANNOTATION] = approver.handover()
+            return notes
 
         def begin_term() -> None:
-            committer.inherit(elector.inherited)
+            committer.inherit(elector.inherited.get(handover.ANNOTATION))
+            if approver is not None:
+                approver.inherit(elector.inherited.get(handover.APPROVED_ANNOTATION))
             term.start()
+
+        elector.handover = handover_notes
 
         lease_thread = threading.Thread(target=elector.run, args=(stop, begin_term, term.stop), name="fleet-lease",
                                         daemon=True)
