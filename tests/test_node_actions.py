@@ -88,7 +88,8 @@ class Harness:
         self.starts = Starts()
         kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{node}", namespace="forewarn")
         self.actor = KubeNodeActor(make_client(str(kubeconfig)), node, poll=0.05,
-                                   draining=self.metrics.node_drains.set)
+                                   draining=self.metrics.node_drains.set,
+                                   blocked=self.metrics.node_drain_blocked_since.set)
         self.approver = Approver(parse_policy(policy), self.starts, self.metrics, self._spool, dry_run=dry_run,
                                  workers=2, actor=self.actor)
         self._lock = threading.Lock()

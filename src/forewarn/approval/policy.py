@@ -419,6 +419,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return (f"{error.instance!r} is not a valid Kubernetes {where[-1]}; valid: letters, digits, '-', '_', '.' "
                 "(at most 63, starting and ending with a letter or digit), a key optionally prefixed by a DNS name "
                 "and '/'")
+    if error.validator == "pattern" and where[-2:-1] == ["last"]:
+        return (f"{error.instance!r} is not a PriorityClass name; valid: lower-case letters, digits, '-' and '.', "
+                "starting and ending with a letter or digit, e.g. system-cluster-critical")
     if error.validator == "pattern" and where[-1:] == ["reason"]:
         return f"{error.instance!r} is not a valid reason; valid: CamelCase letters and digits, e.g. NodeDraining"
     if error.validator == "oneOf" and "node" in where:
