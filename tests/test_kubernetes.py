@@ -192,7 +192,8 @@ def test_node_actions_component_grants_least_privilege_and_passes_the_node_name(
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert granted == {("", "nodes", "get"), ("", "nodes", "patch"), ("", "nodes/status", "patch"),
-                       ("", "pods", "list"), ("", "pods", "delete"), ("", "pods/eviction", "create"), ("events.k8s.io", "events", "create"),
+                       ("", "pods", "list"), ("", "pods", "delete"), ("", "pods/eviction", "create"),
+                       ("events.k8s.io", "events", "create"),
                        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
                        ("coordination.k8s.io", "leases", "update")}
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

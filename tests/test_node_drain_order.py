@@ -8,6 +8,7 @@ The approver runs in-process (the Harness of test_node_actions.py); tests wait w
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import time
@@ -212,6 +213,7 @@ def test_stop_daemonsets_taints_noexecute_so_other_daemonsets_stop_and_forewarn_
                     tolerations=[{"key": "forewarn.io/drained", "operator": "Exists", "effect": "NoExecute"}])
         api.add_pod("kube-system", "etcd-node-1", "node-1", mirror=True)
         h = harnesses(api, policy("timeout: 60, stop_daemonsets: true"))
+        h.actor.own_pod = ("monitoring", "forewarn-a1")   # in a cluster: the service account's namespace, hostname
         h.poll(imds_event())
         wait_until(lambda: h.approver.stage("E1") is Stage.ACTED, timeout=15, message="the drain and the stop")
         assert api.pod("logging", "fluent-bit-x1") is None, "the log shipper stopped"
@@ -229,6 +231,19 @@ def test_stop_daemonsets_taints_noexecute_so_other_daemonsets_stop_and_forewarn_
         assert not node["spec"].get("taints") and not node["spec"].get("unschedulable")
     finally:
         api.stop()
+
+
+def test_stop_daemonsets_refuses_to_taint_when_forewarns_own_pod_would_be_stopped(
+        api: KubeApi, harnesses: Callable[..., Harness]) -> None:
+    api.add_node("node-1")
+    api.add_pod("monitoring", "forewarn-a1", "node-1", owner_kind="DaemonSet")   # no toleration
+    h = harnesses(api, policy("timeout: 60, stop_daemonsets: true"))
+    h.actor.own_pod = ("monitoring", "forewarn-a1")
+    h.poll(imds_event())
+    wait_until(lambda: h.approver.stage("E1") is Stage.ACT_FAILED, timeout=10)
+    assert "forewarn's own pod monitoring/forewarn-a1 does not tolerate it" in h.detail("drain")
+    assert not api.node("node-1")["spec"].get("taints") and api.pod("monitoring", "forewarn-a1") is not None
+    assert [r["data"]["phase"] for r in drain_records(h)] == ["started", "failed"]
 
 
 def test_dry_run_says_which_daemonset_pods_would_stop(api: KubeApi, harnesses: Callable[..., Harness]) -> None:
@@ -349,3 +364,19 @@ def test_a_node_annotated_disabled_is_left_alone_recorded_and_counted(
     assert off.starts.posts == []   # on_failure: hold, as for a failed action
     for record in off.records:
         jsonschema.validate(record, RECORD_SCHEMA)
+
+
+# --- 6. one direction of use ----------------------------------------------------------------------------
+
+def test_node_modules_import_in_one_direction_only() -> None:
+    # actions -> drain -> nodeapi -> kube: nothing imports back up, not even for type checking.
+    folder = Path(__file__).parent.parent / "src" / "forewarn" / "node"
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse((folder / f"{module}.py").read_text())
+        return ({node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+                | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names})
+
+    assert "forewarn.node.drain" in imported("actions") and "forewarn.node.nodeapi" in imported("drain")
+    assert not imported("drain") & {"forewarn.node.actions", "forewarn.node"}
+    assert not imported("nodeapi") & {"forewarn.node.actions", "forewarn.node.drain", "forewarn.node"}

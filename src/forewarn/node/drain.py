@@ -537,8 +537,7 @@ def _evict_all(run: _Drain, state: dict[str, Any], slot: _Slot) -> list[str]:
                 log.info("node %s: draining %s (%d tier(s) left, this one until %s)", node.node,
                          tier_text(tier, action), len(later), rfc3339(tier_until))
         assert tier is not None
-        blocked_before = dict(run.blocked)
-        run.blocked = {}
+        run.blocked = {}   # filled by run.evict() with the pods a budget refuses at this look
         left: list[str] = []
         for pod in pods:
             name = _name(pod)
@@ -551,7 +550,7 @@ def _evict_all(run: _Drain, state: dict[str, Any], slot: _Slot) -> list[str]:
             run.evict(pod, now)
             if name in run.evicted:
                 left.append(name)
-        blocked, run.blocked = run.blocked, blocked_before
+        blocked = dict(run.blocked)
         run.note_blocked(blocked, now, tier)
         waiting = sum(1 for pod in pods if kinds[_name(pod)] == "evict" and tier_of(pod, action) > tier)
         progress = (f"{len(left)} pod(s){run.matching} terminating, {len(blocked)} blocked by a PodDisruptionBudget"
@@ -601,6 +600,13 @@ def _stop_daemonsets(run: _Drain) -> str:
             patch["spec"] = {"taints": [*taints, taint]}
         return patch, ""
 
+    own = node.own_pod
+    mine_here = [p for p in _pods(node, run.action, every=True) if own is not None and _name(p) == "/".join(own)]
+    if own is not None and mine_here and not tolerates(mine_here[0], taint):
+        # The taint would stop forewarn before it could report the drain or undo the taint after the event.
+        raise KubeError(f"not tainting node {node.node} {text}: forewarn's own pod {own[0]}/{own[1]} does not tolerate "
+                        "it; add the toleration {key: forewarn.io/drained, operator: Exists, effect: NoExecute} "
+                        "(the Helm chart and the kustomize component node-actions have it)")
     node.update_node(change, dry_run=False)
     said = ""
     while True:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -99,6 +100,10 @@ class NodeHandle:
         self.stopping = stopping or threading.Event()
         # Told when a drain became blocked by a PodDisruptionBudget (a Unix time), and 0 once it is not.
         self.blocked = blocked or (lambda _since: None)
+        # forewarn's own pod, as far as it can tell: in a pod (not on the host network) the hostname is the pod's
+        # name, and the service account's namespace is the pod's. Used to make sure a NoExecute taint of the
+        # drain would not stop forewarn itself; None when it cannot tell.
+        self.own_pod: tuple[str, str] | None = (str(client.namespace), socket.gethostname())
 
     def get_node(self) -> dict[str, Any]:
         try:
