@@ -285,7 +285,8 @@ class Approver:
                 self._submit(self._act, rule, event, vm, track, self._incarnation)
                 return None
             if track.stage is Stage.ACT_FAILED and rule.on_failure == "hold":
-                self._say(track, event, f"rule {rule.name}: a node action failed; holding", logging.WARNING)
+                self._say(track, event, f"rule {rule.name}: a node action failed (or the node's annotation "
+                          "turned them off); holding", logging.WARNING)
                 return None
         prepares = rule is not None and rule.action == "approve" and bool(rule.prepare)
         if prepares and event.affects(vm.name) and track.stage in (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED):
