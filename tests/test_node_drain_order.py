@@ -369,7 +369,8 @@ def test_a_node_annotated_disabled_is_left_alone_recorded_and_counted(
 # --- 6. one direction of use ----------------------------------------------------------------------------
 
 def test_node_modules_import_in_one_direction_only() -> None:
-    # actions -> drain -> nodeapi -> kube: nothing imports back up, not even for type checking.
+    # actions -> drain -> (daemonsets -> drainrun, slots) -> pods -> nodeapi -> kube: nothing imports back up,
+    # not even for type checking.
     folder = Path(__file__).parent.parent / "src" / "forewarn" / "node"
 
     def imported(module: str) -> set[str]:
@@ -379,4 +380,5 @@ def test_node_modules_import_in_one_direction_only() -> None:
 
     assert "forewarn.node.drain" in imported("actions") and "forewarn.node.nodeapi" in imported("drain")
     assert not imported("drain") & {"forewarn.node.actions", "forewarn.node"}
-    assert not imported("nodeapi") & {"forewarn.node.actions", "forewarn.node.drain", "forewarn.node"}
+    for lower in ("daemonsets", "drainrun", "pods", "slots", "nodeapi"):
+        assert not imported(lower) & {"forewarn.node.actions", "forewarn.node.drain", "forewarn.node"}, lower
