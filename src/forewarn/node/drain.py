@@ -14,19 +14,18 @@
 - At the deadline (`at_deadline`): `report` fails the drain naming the pods left and the budgets that keep
   them; `delete` deletes them (never mirror pods, never DaemonSet pods) with the grace left before NotBefore,
   each one reported, and waits for them to go.
-- `stop_daemonsets`: once the node is drained it is tainted `forewarn.io/drained=<event type>:NoExecute`,
-  so DaemonSet pods that do not tolerate it (log shippers...) stop with their own grace, after the
-  workloads they serve; forewarn's own DaemonSet tolerates it. The taint is undone with the event.
-- At most `max_nodes` nodes drain at once across the cluster: a drain holds one of that many Leases
-  (`forewarn-drain-0`, ...), renewed while it runs, so one event listing a whole scale set never empties
-  the node pool. The Lease names the node, so a restarted forewarn takes its own slot back.
+- `stop_daemonsets` (daemonsets.py): once the node is drained it is tainted NoExecute, so DaemonSet pods
+  that do not tolerate it (log shippers...) stop with their own grace, after the workloads they serve.
+- At most `max_nodes` nodes drain at once across the cluster (slots.py: one of that many Leases), so one
+  event listing a whole scale set never empties the node pool.
 - With a `selector`, only the pods matching it are listed and evicted (the API filters them, as the
   `labelSelector` of the pod list); every rule above holds for those.
 - The start, the deadline and the tier under way are written to the node's `forewarn.io/applied`
   annotation: a forewarn that restarts in the middle of a drain resumes it where it was, with the same
   deadline, rather than starting another.
-- Each step is reported as it happens (DrainProgress: started, blocked at most once a minute, deleted, done,
+- Each step is reported as it happens (drainrun.py: started, blocked at most once a minute, deleted, done,
   failed) and posted as a Kubernetes Event on the node; each pod evicted or deleted gets an Event too.
+Which pods go, in which tier and with what grace is pods.py.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ from forewarn.node.slots import LEASE_PREFIX, LEASE_SECONDS, Slot
 __all__ = ["LEASE_PREFIX", "LEASE_SECONDS", "drain"]
 
 log = logging.getLogger(__name__)
-
 
 
 def _dry_run(node: NodeHandle, action: NodeAction, event: Event, seconds: float, matching: str) -> str:
