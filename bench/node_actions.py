@@ -2,8 +2,9 @@
 
 `forewarn run` as deployed (a subprocess, the file sink, 1 poll/s) against the IMDS simulator and the strict
 Kubernetes API stand-in (tests/peers/kube_api.py, RBAC from deploy/kubernetes/components/node-actions):
-a Reboot for this VM triggers the policy's cordon, condition, event and drain (three pods evicted), then
-the approval; the event runs and completes, and forewarn undoes what it applied. After that, 30 s of
+a Reboot for this VM triggers the policy's cordon, condition, event and drain (three pods evicted in three
+priority tiers, then the node tainted NoExecute so a DaemonSet pod stops; at_deadline: delete), then the
+approval; the event runs and completes, and forewarn undoes what it applied. After that, 30 s of
 steady polling, then VmRSS and VmHWM (the peak since start). Two comparison runs: the same scenario,
 policy rule and sink but no node actions (no --node-name, no kubeconfig: the Kubernetes client is never
 imported), and the same without a policy at all (idle, as bench/cost.py's file-sink figure).
@@ -42,7 +43,7 @@ version: 1
 rules:
   - name: reboot
     match: {event_type: [Reboot]}
-    node: [cordon, condition, event, {drain: {timeout: 60, margin: 5}}]
+    node: [cordon, condition, event, {drain: {timeout: 60, margin: 5, stop_daemonsets: true, at_deadline: delete}}]
     action: approve
     on_failure: hold
   - name: everything-else
@@ -93,9 +94,14 @@ def run(directory: Path, node_actions: bool, steady: float, policy_on: bool = Tr
     extra = ["--policy", str(policy)] if policy_on else []
     if node_actions:
         api.add_node(NODE)
-        for index in range(3):
-            api.add_pod("shop", f"web-{index}", NODE, labels={"app": "web"}, owner_kind="ReplicaSet", grace=30)
+        # three priority tiers (the drain evicts tier by tier), a DaemonSet pod that the NoExecute taint stops
+        # and forewarn's own, which tolerates it and stays
+        for index, priority in enumerate((-10, 0, 1000)):
+            api.add_pod("shop", f"web-{index}", NODE, labels={"app": "web"}, owner_kind="ReplicaSet", grace=30,
+                        priority=priority)
         api.add_pod("kube-system", "kube-proxy-bench", NODE, owner_kind="DaemonSet")
+        api.add_pod("forewarn", "forewarn-bench", NODE, owner_kind="DaemonSet",
+                    tolerations=[{"key": "forewarn.io/drained", "operator": "Exists", "effect": "NoExecute"}])
         kubeconfig = api.kubeconfig(directory / "kubeconfig", namespace="forewarn")
         extra += ["--node-name", NODE, "--kubeconfig", str(kubeconfig)]
     collector = Collector(server.url, directory / "state", sinks=[f"file:{records}"], extra=extra,
@@ -113,7 +119,9 @@ def run(directory: Path, node_actions: bool, steady: float, policy_on: bool = Tr
             url, "azure_scheduled_events_approvals_total", event_type="Reboot", result="approved") >= 1, 90)
         result: dict[str, Any] = {"approved_after_s": round(approved, 2)}
         if node_actions:
-            result.update(evictions=len(api.evictions), kubernetes_events=len(api.events()))
+            result.update(evictions=len(api.evictions), kubernetes_events=len(api.events()),
+                          daemonset_pods_stopped=len(api.taint_evictions),
+                          drain_records=sum('"change":"drain"' in line for line in records.open()))
             wait_for("the undo", lambda: metric(url, "azure_scheduled_events_node_actions_total",
                                                 action="undo", result="ok") >= 1, 90)
             node = api.node(NODE)

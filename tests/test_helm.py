@@ -460,6 +460,21 @@ def test_spot_nodes_are_tolerated_by_default_and_by_a_spot_only_list() -> None:
     assert not tolerates(spot_only["spec"]["template"]["spec"]["tolerations"], other)
 
 
+DRAINED_TAINT = {"key": "forewarn.io/drained", "value": "Reboot", "effect": "NoExecute"}
+
+
+def test_with_node_actions_forewarn_tolerates_its_own_drain_taint_even_with_a_narrow_list() -> None:
+    # A drain with stop_daemonsets taints the node forewarn.io/drained:NoExecute; forewarn must not be stopped.
+    spot_only = [{"key": SPOT_TAINT["key"], "operator": "Equal", "value": "spot", "effect": "NoSchedule"}]
+    narrow = one(render({**AKS_VALUES, "tolerations": spot_only}), "DaemonSet")["spec"]["template"]["spec"]
+    assert tolerates(narrow["tolerations"], DRAINED_TAINT) and tolerates(narrow["tolerations"], SPOT_TAINT)
+    assert not tolerates(narrow["tolerations"], {"key": "dedicated", "value": "gpu", "effect": "NoExecute"})
+    without = one(render({"tolerations": spot_only}), "DaemonSet")["spec"]["template"]["spec"]
+    assert not tolerates(without["tolerations"], DRAINED_TAINT)  # the toleration comes with node actions
+    kustomized = normalized_kustomize_daemonset("overlays/aks")["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "forewarn.io/drained", "operator": "Exists", "effect": "NoExecute"} in kustomized
+
+
 def test_image_digest_priority_class_host_network_and_release_name() -> None:
     docs = render(MATRIX["digest, spot only, existing priority class"])
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]

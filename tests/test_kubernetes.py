@@ -192,7 +192,8 @@ def test_node_actions_component_grants_least_privilege_and_passes_the_node_name(
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert granted == {("", "nodes", "get"), ("", "nodes", "patch"), ("", "nodes/status", "patch"),
-                       ("", "pods", "list"), ("", "pods/eviction", "create"), ("events.k8s.io", "events", "create"),
+                       ("", "pods", "list"), ("", "pods", "delete"), ("", "pods/eviction", "create"),
+                       ("events.k8s.io", "events", "create"),
                        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
                        ("coordination.k8s.io", "leases", "update")}
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -203,6 +204,8 @@ def test_node_actions_component_grants_least_privilege_and_passes_the_node_name(
     assert pod["automountServiceAccountToken"] is True
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["FOREWARN_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # a drain with stop_daemonsets taints the node NoExecute: forewarn's own pod tolerates it
+    assert {"key": "forewarn.io/drained", "operator": "Exists", "effect": "NoExecute"} in pod["tolerations"]
     policy = parse_policy(by_kind(docs, "ConfigMap")["data"]["policy.yaml"])
     acting = {rule.name: [a.kind for a in rule.node] for rule in policy.rules if rule.node}
     assert "drain" in acting["reboot"] and "drain" in acting["spot-eviction-and-terminate"]

@@ -88,7 +88,8 @@ class Harness:
         self.starts = Starts()
         kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{node}", namespace="forewarn")
         self.actor = KubeNodeActor(make_client(str(kubeconfig)), node, poll=0.05,
-                                   draining=self.metrics.node_drains.set)
+                                   draining=self.metrics.node_drains.set,
+                                   blocked=self.metrics.node_drain_blocked_since.set)
         self.approver = Approver(parse_policy(policy), self.starts, self.metrics, self._spool, dry_run=dry_run,
                                  workers=2, actor=self.actor)
         self._lock = threading.Lock()
@@ -205,7 +206,7 @@ def test_reboot_drains_through_a_pdb_that_blocks_then_allows_approves_and_undoes
     node = api.node("node-1")
     assert node["spec"]["unschedulable"] is True
     assert conditions(node)[CONDITION]["status"] == "True" and "E1" in conditions(node)[CONDITION]["message"]
-    (kube_event,) = api.events()
+    (kube_event,) = [e for e in api.events() if e["reason"] == "ScheduledEvent"]  # the drain posts its own too
     assert kube_event["regarding"]["name"] == "node-1" and kube_event["reportingController"] == "forewarn.io/forewarn"
     assert h.actions() == [("cordon", "ok"), ("condition", "ok"), ("event", "ok"), ("drain", "ok")]
     assert h.counter("drain", "ok") == 1 and h.counter("drain", "failed") == 0

@@ -252,7 +252,9 @@ def test_policy_explain_shows_the_node_actions_for_this_vm_and_not_for_others(tm
     out = result.stdout
     actions = ("cordon; taint example.com/m=x:NoExecute; label forewarn.io/scheduled-event=<event type>; "
                "event Warning Going; drain (within 120 s, done 5 s before NotBefore, grace at most 20 s, evicting "
-               "pods with local storage; at most 2 node(s) draining at once)")
+               "pods with local storage; at most 2 node(s) draining at once; by pod priority, lowest first, each tier "
+               "waited for; system-cluster-critical, system-node-critical last; at the deadline: report the pods left "
+               "and fail)")
     mine, other = out.split("\nMINE")[1].split("\nOTHER")
     assert f"  node     {actions} -> this VM's node (--node-name), before the decision (on_failure: approve)" in mine
     assert "  decision APPROVE: rule reboot approves" in mine

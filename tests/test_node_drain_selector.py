@@ -261,7 +261,9 @@ def test_policy_explain_shows_the_selector(tmp_path: Path) -> None:
     assert "  matched  long-freeze" in result.stdout
     assert ("  node     taint forewarn.io/scheduled-event=<event type>:NoSchedule; condition ForewarnScheduledEvent; "
             "event Warning ScheduledEvent; drain pods matching forewarn.io/cannot-pause=true (within 300 s, done 30 s "
-            "before NotBefore; at most 5 node(s) draining at once) -> this VM's node (--node-name)") in result.stdout
+            "before NotBefore; at most 5 node(s) draining at once; by pod priority, lowest first, each tier waited "
+            "for; system-cluster-critical, system-node-critical last; at the deadline: report the pods left and "
+            "fail) -> this VM's node (--node-name)") in result.stdout
 
 
 def test_the_freeze_rules_in_the_docs_are_the_shipped_ones() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.records import APPROVED, Record, approval_record, to_record
+from forewarn.records import APPROVED, Record, approval_record, drain_record, to_record
 from forewarn.tracker import Change, ChangeKind, diff_documents
 
 SCHEMA = json.loads(resources.files("forewarn").joinpath("schemas/record.schema.json").read_text())
@@ -111,6 +111,27 @@ def test_approved_record_id_is_derived_like_every_other() -> None:
     assert to_record(change, VM, NOW).id != approval_record(change.event, VM, "r", False, 1, NOW).id
 
 
-def test_the_schema_knows_exactly_the_document_changes_approved_and_node_action() -> None:
+def test_the_schema_knows_exactly_the_document_changes_approved_node_action_and_drain() -> None:
     changes = SCHEMA["properties"]["data"]["properties"]["change"]["enum"]
-    assert sorted(changes) == sorted([str(kind) for kind in ChangeKind] + [APPROVED, "node_action"])
+    assert sorted(changes) == sorted([str(kind) for kind in ChangeKind] + [APPROVED, "node_action", "drain"])
+
+
+def test_drain_record_ids_repeat_for_the_same_step_and_differ_between_steps() -> None:
+    (change,) = changes_of([event()])
+    blocked = {"blocked": [{"pod": "shop/web-1", "budget": "web"}], "tier": "priority 0", "blocked_seconds": 0.0}
+
+    def make(phase: str, key: str, at: datetime = NOW, incarnation: int = 1) -> Record:
+        return drain_record(change.event, VM, "node-1", "reboot", phase, "text", blocked if phase == "blocked" else
+                            {"evicted_count": 1, "seconds": 2.0}, key, incarnation, at)
+
+    first = make("blocked", "0")
+    assert make("blocked", "0", at=datetime(2030, 1, 1, tzinfo=timezone.utc)).id == first.id
+    assert len({first.id, make("blocked", "1").id, make("done", "").id, make("blocked", "0", incarnation=2).id}) == 4
+    assert first.type == "io.github.forewarn.scheduled_event.drain" and first.data["phase"] == "blocked"
+    assert first.data["blocked"] == [{"pod": "shop/web-1", "budget": "web"}] and first.data["change"] == "drain"
+    jsonschema.validate(first.to_dict(), SCHEMA)
+    jsonschema.validate(make("done", "").to_dict(), SCHEMA)
+    broken = first.to_dict()
+    del broken["data"]["blocked"]
+    with pytest.raises(jsonschema.ValidationError):   # a blocked record must say what blocks it
+        jsonschema.validate(broken, SCHEMA)

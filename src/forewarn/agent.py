@@ -158,7 +158,8 @@ def build_actor(settings: Settings, needed: bool, metrics: Metrics) -> NodeActor
         raise ConfigError(f"--policy {settings.policy}: node actions need the Kubernetes client: pip install "
                           f"'forewarn[kubernetes]' ({exc})") from None
     try:
-        actor = kube_actor(settings.node_name, settings.kubeconfig, draining=metrics.node_drains.set)
+        actor = kube_actor(settings.node_name, settings.kubeconfig, draining=metrics.node_drains.set,
+                           blocked=metrics.node_drain_blocked_since.set)
     except KubeError as exc:
         raise ConfigError(str(exc)) from None
     log.info("node actions on Kubernetes node %s%s", settings.node_name,

@@ -23,6 +23,9 @@ TYPE_PREFIX = "io.github.forewarn.scheduled_event"
 APPROVED = "approved"
 #: The change of the records of Kubernetes node actions (one per action, and one per undo).
 NODE_ACTION = "node_action"
+#: The change of the records that follow a drain as it goes: started, blocked, deleted (a pod, at the
+#: deadline), done, failed (`data.phase`).
+DRAIN = "drain"
 CONTENT_TYPE = "application/json"
 SPEC_VERSION = "1.0"
 
@@ -116,6 +119,30 @@ def node_action_record(event: Event, vm: VmInfo, node: str, rule: str | None, ac
         id=record_id(vm.name, event.event_id, f"{NODE_ACTION}:{action}:{result}", incarnation),
         source=record_source(vm),
         type=f"{TYPE_PREFIX}.{NODE_ACTION}",
+        subject=event.event_id,
+        time=rfc3339(at),
+        data=data,
+    )
+
+
+def drain_record(event: Event, vm: VmInfo, node: str, rule: str | None, phase: str, detail: str,
+                 facts: Mapping[str, Any], key: str, incarnation: int, at: datetime) -> Record:
+    """A `drain` record: the drain of the Kubernetes node `node` for `event` reached `phase` (started, blocked,
+    deleted, done, failed); `detail` says it in one line and `facts` carry the details (pods, the budgets
+    blocking them, counts, seconds). The id repeats for the same phase and `key` of the same event in the same
+    document, so a restart that reports the same step again is recognised."""
+    data = event_data(DRAIN, event, incarnation, vm)
+    data["node"] = node
+    data["phase"] = phase
+    data["detail"] = detail
+    data["dry_run"] = False
+    if rule is not None:
+        data["policy_rule"] = rule
+    data.update({name: value for name, value in facts.items() if name not in data})
+    return Record(
+        id=record_id(vm.name, event.event_id, f"{DRAIN}:{phase}:{key}", incarnation),
+        source=record_source(vm),
+        type=f"{TYPE_PREFIX}.{DRAIN}",
         subject=event.event_id,
         time=rfc3339(at),
         data=data,

@@ -31,6 +31,11 @@ Where it differs from a real API server, on purpose (all in the direction of cat
   protobuf, no core/v1 Events, no server-side apply.
 - a pod being deleted disappears after grace * `grace_scale` seconds of the injected clock (0: at once,
   the default); until then it has metadata.deletionTimestamp.
+- NoExecute taints: when a node is written with one, every pod on it that does not tolerate it (mirror pods
+  aside) is deleted with its own grace period, as the taint manager does; `tolerationSeconds` is not timed
+  (a toleration with it counts as tolerating). `taint_evictions` lists them, `deletions` the pods deleted
+  through DELETE (with the grace asked).
+- pods carry spec.priority / priorityClassName as given to add_pod; there is no PriorityClass admission.
 - PodDisruptionBudget status is not computed by a controller: disruptionsAllowed starts at
   max_unavailable, each eviction takes one, and `set_pdb_allowed` sets it.
 
@@ -399,6 +404,9 @@ def _event_errors(event: JSON) -> list[tuple[str, str]]:
     regarding = event.get("regarding")
     if not regarding:
         errors.append(("regarding", "Required value: the object this event is about (stand-in rule)"))
+    elif regarding.get("namespace") and regarding["namespace"] != namespace:
+        errors.append(("involvedObject.namespace", f'Invalid value: "{regarding["namespace"]}": does not match '
+                                                   "event.namespace"))
     elif not regarding.get("namespace") and namespace not in ("default", "kube-system"):
         # An event about a cluster-scoped object (a Node) must live in default or kube-system.
         errors.append(("involvedObject.namespace", 'Invalid value: "": does not match event.namespace'))
@@ -806,6 +814,24 @@ def selector_matches(selector: JSON | None, labels: Mapping[str, str]) -> bool:
     return True
 
 
+def _tolerated(tolerations: list[JSON], taint: JSON) -> bool:
+    """core/v1 Toleration.ToleratesTaint: the effect matches (or is empty), and the key with Exists (an empty
+    key with Exists tolerates everything) or the key and value with Equal (the default operator)."""
+    for toleration in tolerations:
+        if toleration.get("effect") not in (None, "", taint.get("effect")):
+            continue
+        operator = toleration.get("operator") or "Equal"
+        if not toleration.get("key"):
+            if operator == "Exists":
+                return True
+            continue
+        if toleration["key"] != taint.get("key"):
+            continue
+        if operator == "Exists" or (toleration.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
 # --- the server ----------------------------------------------------------------------------------------
 
 def _now() -> str:
@@ -847,6 +873,8 @@ class KubeApi:
         self.clock = clock
         self.requests: list[Request] = []
         self.evictions: list[tuple[str, str, int | None]] = []
+        self.deletions: list[tuple[str, str, int | None]] = []  # pods deleted through DELETE, with the grace asked
+        self.taint_evictions: list[tuple[str, str]] = []  # pods the taint manager deleted (NoExecute)
         self._objects: dict[tuple[str, str, str], JSON] = {}  # (plural, namespace, name) -> object
         self._going: dict[tuple[str, str], float] = {}  # pods being deleted: (namespace, name) -> when gone
         self._failures: list[_Failure] = []
@@ -938,9 +966,12 @@ class KubeApi:
 
     def add_pod(self, namespace: str, name: str, node: str, labels: Mapping[str, str] | None = None,
                 owner_kind: str | None = None, mirror: bool = False, local_storage: bool = False,
-                grace: int = 30, *, phase: str = "Running") -> None:
+                grace: int = 30, *, phase: str = "Running", priority: int | None = None,
+                priority_class: str | None = None, tolerations: Iterable[Mapping[str, Any]] = ()) -> None:
         """A running pod on `node`: owned by a controller of `owner_kind` ("DaemonSet", "ReplicaSet"...),
-        or a static pod's mirror (owned by the Node, with the config.mirror annotation)."""
+        or a static pod's mirror (owned by the Node, with the config.mirror annotation). `priority` and
+        `priority_class` as admission sets them (spec.priority from the PriorityClass named); `tolerations`
+        as in the pod spec."""
         meta: JSON = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
         if owner_kind:
             group = "batch/v1" if owner_kind == "Job" else "apps/v1"
@@ -953,6 +984,12 @@ class KubeApi:
                                         "uid": self._uid("nodes", "", node), "controller": True}]
         spec: JSON = {"nodeName": node, "terminationGracePeriodSeconds": grace,
                       "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}
+        if priority is not None:
+            spec["priority"] = priority
+        if priority_class is not None:
+            spec["priorityClassName"] = priority_class
+        if tolerations:
+            spec["tolerations"] = [dict(t) for t in tolerations]
         if local_storage:
             spec["volumes"] = [{"name": "scratch", "emptyDir": {}}]
             spec["containers"][0]["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
@@ -989,6 +1026,7 @@ class KubeApi:
             node = validate(node)
             self._objects[("nodes", "", name)] = node
             self._bump(node)
+            self._taint_evictions(node)
 
     def node(self, name: str) -> JSON:
         with self._lock:
@@ -1067,6 +1105,25 @@ class KubeApi:
                 del self._going[key]
                 self._objects.pop(("pods", *key), None)
                 self._version += 1
+
+    def _taint_evictions(self, node: JSON) -> None:
+        """The taint manager (NoExecute taint-based eviction): every pod on `node` that does not tolerate one of
+        its NoExecute taints is deleted with its own grace period, as a delete without options would. Mirror
+        pods stay (the kubelet would recreate them at once). A toleration with tolerationSeconds counts as
+        tolerating (the stand-in does not delete it later)."""
+        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("effect") == "NoExecute"]
+        if not taints:
+            return
+        for pod in self._list(KINDS[1], None):
+            meta = pod["metadata"]
+            if pod["spec"].get("nodeName") != node["metadata"]["name"] or "deletionTimestamp" in meta:
+                continue
+            if "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
+                continue
+            if all(_tolerated(pod["spec"].get("tolerations") or [], taint) for taint in taints):
+                continue
+            self.taint_evictions.append((meta["namespace"], meta["name"]))
+            self._delete_pod(pod, int(pod["spec"].get("terminationGracePeriodSeconds", 30)))
 
     def _delete_pod(self, pod: JSON, grace: int) -> None:
         meta = pod["metadata"]
@@ -1338,6 +1395,8 @@ class KubeApi:
             return _Reply(200, new)
         self._objects[(kind.plural, target.namespace, target.name)] = new
         self._bump(new)
+        if kind.plural == "nodes":
+            self._taint_evictions(new)
         return _Reply(200, copy.deepcopy(new))
 
     def _delete(self, request: Request, target: _Target, current: JSON, dry: bool) -> _Reply:
@@ -1359,6 +1418,10 @@ class KubeApi:
             return _Reply(200, copy.deepcopy(current))
         if kind.plural == "pods":
             grace = options.get("gracePeriodSeconds", request.query.get("gracePeriodSeconds"))
+            if grace is not None and (not str(grace).lstrip("-").isdigit() or int(grace) < 0):
+                raise invalid("DeleteOptions", "", "", [("gracePeriodSeconds", f"Invalid value: {grace}: must be "
+                                                         "greater than or equal to 0")])
+            self.deletions.append((target.namespace, target.name, int(grace) if grace is not None else None))
             self._delete_pod(current, int(grace) if grace is not None else
                              int(current["spec"].get("terminationGracePeriodSeconds", 30)))
             if ("pods", target.namespace, target.name) in self._objects:

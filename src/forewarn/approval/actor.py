@@ -7,16 +7,16 @@ Kubernetes API; only a policy with node actions loads it, so the client library 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from forewarn.approval.policy import NodeAction
 from forewarn.imds.document import Event
 from forewarn.metrics.exposition import NODE_ACTION_RESULTS as ACTION_RESULTS
 from forewarn.metrics.exposition import NODE_ACTIONS as ACTION_NAMES
 
-__all__ = ["ACTION_NAMES", "ACTION_RESULTS", "ActionOutcome", "NodeActor", "Report"]
+__all__ = ["ACTION_NAMES", "ACTION_RESULTS", "DRAIN_PHASES", "ActionOutcome", "DrainProgress", "NodeActor", "Report"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,27 @@ class ActionOutcome:
     detail: str
 
 
-Report = Callable[[ActionOutcome], None]
+#: The steps of a drain that are reported as they happen (see DrainProgress).
+DRAIN_PHASES = ("started", "blocked", "deleted", "done", "failed")
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """A step of a drain under way, reported as it happens so people can follow it: `started`, `blocked`
+    (pods a PodDisruptionBudget keeps, at most once a minute), `deleted` (a pod deleted at the deadline),
+    `done`, `failed`. Not an action outcome: the drain's own outcome still comes as an ActionOutcome.
+
+    `key` tells repeats apart (two `blocked` reports a minute apart, one `deleted` per pod) and is the same
+    when the same step is reported again after a restart; `facts` are JSON-ready details (pods, budgets,
+    counts, seconds) for the record."""
+
+    phase: str     # one of DRAIN_PHASES
+    detail: str    # one line for people, safe to log
+    key: str = ""
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+
+Report = Callable[[ActionOutcome | DrainProgress], None]
 
 
 class NodeActor(Protocol):

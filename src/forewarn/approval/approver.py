@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
 
-from forewarn.approval.actor import ActionOutcome, NodeActor
+from forewarn.approval.actor import ActionOutcome, DrainProgress, NodeActor
 from forewarn.approval.hooks import run_hook
 from forewarn.approval.policy import Hook, Policy, Rule, decide
 from forewarn.approval.starter import Starter, StartError
 from forewarn.imds.document import Document, Event
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.records import Record, approval_record, node_action_record
+from forewarn.records import Record, approval_record, drain_record, node_action_record
 from forewarn.retry import Backoff
 from forewarn.tracker import Change, ChangeKind, Outcome
 
@@ -285,7 +285,8 @@ class Approver:
                 self._submit(self._act, rule, event, vm, track, self._incarnation)
                 return None
             if track.stage is Stage.ACT_FAILED and rule.on_failure == "hold":
-                self._say(track, event, f"rule {rule.name}: a node action failed; holding", logging.WARNING)
+                self._say(track, event, f"rule {rule.name}: a node action failed (or the node's annotation "
+                          "turned them off); holding", logging.WARNING)
                 return None
         prepares = rule is not None and rule.action == "approve" and bool(rule.prepare)
         if prepares and event.affects(vm.name) and track.stage in (Stage.WAITING, Stage.ACTED, Stage.ACT_FAILED):
@@ -367,9 +368,9 @@ class Approver:
         report = self._reporter(event, undo.vm, None, undo.incarnation)
         failed = False
 
-        def noting(outcome: ActionOutcome) -> None:
+        def noting(outcome: ActionOutcome | DrainProgress) -> None:
             nonlocal failed
-            failed = failed or outcome.result == "failed"
+            failed = failed or (isinstance(outcome, ActionOutcome) and outcome.result == "failed")
             report(outcome)
 
         try:
@@ -442,14 +443,24 @@ class Approver:
                      ", ".join(kept))
 
     def _reporter(self, event: Event, vm: VmInfo, rule: str | None,
-                  incarnation: int) -> Callable[[ActionOutcome], None]:
-        """Counts and records each outcome as it comes (on the pool thread, outside the lock)."""
+                  incarnation: int) -> Callable[[ActionOutcome | DrainProgress], None]:
+        """Counts and records each outcome, and each step of a drain, as it comes (on the pool thread,
+        outside the lock)."""
         assert self.actor is not None
         node = self.actor.node
 
-        def report(outcome: ActionOutcome) -> None:
-            self.metrics.node_actions.labels(outcome.action, outcome.result).inc()
+        def report(outcome: ActionOutcome | DrainProgress) -> None:
             at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+            if isinstance(outcome, DrainProgress):
+                self.metrics.node_drain_records.labels(outcome.phase).inc()
+                if outcome.phase == "deleted":
+                    self.metrics.node_drain_pods.labels("deleted").inc()
+                elif outcome.phase in ("done", "failed"):
+                    self.metrics.node_drain_pods.labels("evicted").inc(int(outcome.facts.get("evicted_count", 0)))
+                self.record([drain_record(event, vm, node, rule, outcome.phase, outcome.detail, outcome.facts,
+                                          outcome.key, incarnation, at)])
+                return
+            self.metrics.node_actions.labels(outcome.action, outcome.result).inc()
             self.record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
                                             incarnation, at)])
         return report

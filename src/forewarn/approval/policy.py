@@ -41,6 +41,12 @@ DEFAULT_NODE_KEY = "forewarn.io/scheduled-event"   # the default taint and label
 DEFAULT_CONDITION = "ForewarnScheduledEvent"
 DEFAULT_DRAIN_TIMEOUT = 600.0
 DEFAULT_DRAIN_MARGIN = 5.0
+#: The PriorityClasses a drain evicts last, whatever their value (Kubernetes' own, for the cluster's and the
+#: node's critical pods: DNS, CNI, proxies).
+CRITICAL_CLASSES = ("system-cluster-critical", "system-node-critical")
+#: The NoExecute taint a drain with stop_daemonsets puts on the node once it is empty: DaemonSet pods that do
+#: not tolerate it stop with their own grace period (forewarn's own DaemonSet tolerates it).
+STOP_TAINT = "forewarn.io/drained"
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 
@@ -219,11 +225,23 @@ class NodeAction:
     max_nodes: int = 1                         # drain: nodes draining at once, cluster-wide
     lease_namespace: str | None = None         # drain: where the Leases of that cap live
     selector: tuple[LabelRequirement, ...] = ()  # drain: only the pods matching all of these; () every pod
+    order: str = "priority"                    # drain: priority (lowest first, tier by tier) or none (all at once)
+    last: tuple[str, ...] = CRITICAL_CLASSES   # drain: PriorityClasses evicted after every other pod
+    stop_daemonsets: bool = False              # drain: then a NoExecute taint stops the DaemonSet pods
+    at_deadline: str = "report"                # drain: report (fail, naming the pods left) or delete them
 
     @property
     def selector_text(self) -> str:
         """The drain's label selector as the API takes it ('' for a drain of every pod)."""
         return ",".join(map(str, self.selector))
+
+    @property
+    def order_text(self) -> str:
+        """The drain's eviction order in words (policy explain, the docs)."""
+        if self.order == "none":
+            return "every pod at once"
+        last = f"; {', '.join(self.last)} last" if self.last else ""
+        return f"by pod priority, lowest first, each tier waited for{last}"
 
     def describe(self) -> str:
         """The action as `policy explain` shows it."""
@@ -240,7 +258,11 @@ class NodeAction:
             local = ", evicting pods with local storage" if self.delete_local_data else ""
             pods = f" pods matching {self.selector_text}" if self.selector else ""
             return (f"drain{pods} (within {self.timeout:g} s, done {self.margin:g} s before NotBefore{extra}{local}; "
-                    f"at most {self.max_nodes} node(s) draining at once)")
+                    f"at most {self.max_nodes} node(s) draining at once; {self.order_text}; at the deadline: "
+                    + ("delete the pods left with the grace that is left" if self.at_deadline == "delete" else
+                       "report the pods left and fail")
+                    + (f"; then taint {STOP_TAINT}:NoExecute so DaemonSet pods stop" if self.stop_daemonsets else "")
+                    + ")")
         return self.kind
 
 
@@ -416,6 +438,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return (f"{error.instance!r} is not a valid Kubernetes {where[-1]}; valid: letters, digits, '-', '_', '.' "
                 "(at most 63, starting and ending with a letter or digit), a key optionally prefixed by a DNS name "
                 "and '/'")
+    if error.validator == "pattern" and where[-2:-1] == ["last"]:
+        return (f"{error.instance!r} is not a PriorityClass name; valid: lower-case letters, digits, '-' and '.', "
+                "starting and ending with a letter or digit, e.g. system-cluster-critical")
     if error.validator == "pattern" and where[-1:] == ["reason"]:
         return f"{error.instance!r} is not a valid reason; valid: CamelCase letters and digits, e.g. NodeDraining"
     if error.validator == "oneOf" and "node" in where:
@@ -663,6 +688,12 @@ def _node_action(raw: str | Mapping[str, Any], at: list[str | int], rule: str, f
     kind, options = next(iter(raw.items()))
     names = {"type": "condition_type" if kind == "condition" else "event_type"}
     values = {names.get(key, key): value for key, value in (options or {}).items()}
+    if "last" in values:
+        values["last"] = tuple(values["last"])
+    if values.get("stop_daemonsets") and "selector" in values:
+        where = [*at, kind, "stop_daemonsets"]
+        raise fail(where, "stop_daemonsets taints the whole node NoExecute, which would also stop the pods the "
+                   "selector leaves; use it only in a drain of every pod", subject=f"rule {rule}: {_field(where)}")
     if "timeout" in values or "margin" in values:
         values.update({k: float(values[k]) for k in ("timeout", "margin") if k in values})
     if "selector" in values:

@@ -30,7 +30,10 @@ APPROVAL_RESULTS = ("approved", "dry_run", "failed")
 HOOK_RESULTS = ("success", "failure", "timeout", "error")
 #: Kubernetes node actions (the policy's, and `undo` once the event has left) and their results.
 NODE_ACTIONS = ("cordon", "taint", "label", "condition", "event", "drain", "undo")
-NODE_ACTION_RESULTS = ("ok", "failed", "dry_run")
+#: `skipped`: not done because the node's annotation forewarn.io/node-actions=disabled turns them off.
+NODE_ACTION_RESULTS = ("ok", "failed", "dry_run", "skipped")
+#: What became of the pods a drain removed: evicted (the Eviction API) or deleted at the deadline.
+DRAIN_POD_OUTCOMES = ("evicted", "deleted")
 
 _EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the very end
 
@@ -97,6 +100,22 @@ class Metrics:
             "azure_scheduled_events_node_drains_in_progress",
             "Drains of this Kubernetes node under way (0 or 1; sum over a cluster for the nodes draining).",
             registry=r)
+        self.node_drain_blocked_since = Gauge(
+            "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
+            "Unix time since which a drain of this node has been blocked by a PodDisruptionBudget; 0 when none is.",
+            registry=r)
+        self.node_drain_pods = Counter(
+            "azure_scheduled_events_node_drain_pods_total",
+            "Pods removed by drains of this node: evicted (Eviction API) or deleted at the deadline (at_deadline: "
+            "delete).", ["outcome"], registry=r)
+        for outcome in DRAIN_POD_OUTCOMES:
+            self.node_drain_pods.labels(outcome)
+        self.node_drain_records = Counter(
+            "azure_scheduled_events_node_drain_reports_total",
+            "Drain lifecycle records written, by phase (started, blocked, deleted, done, failed).", ["phase"],
+            registry=r)
+        for phase in ("started", "blocked", "deleted", "done", "failed"):
+            self.node_drain_records.labels(phase)
         for action in NODE_ACTIONS:
             for result in NODE_ACTION_RESULTS:
                 self.node_actions.labels(action, result)

@@ -17,9 +17,10 @@ __all__ = ["KubeError", "KubeNodeActor", "build_actor"]
 
 
 def build_actor(node: str, kubeconfig: str | None, draining: Callable[[int], None] | None = None,
-                poll: float = 1.0, *, service_account: Path = SERVICE_ACCOUNT) -> KubeNodeActor:
+                poll: float = 1.0, *, service_account: Path = SERVICE_ACCOUNT,
+                blocked: Callable[[float], None] | None = None) -> KubeNodeActor:
     """The actor for `node`, with a client from `kubeconfig` (or the in-cluster service account in
     `service_account`, KUBECONFIG, ~/.kube/config)."""
     stopping = threading.Event()   # the actor's close() sets it: it ends a request under way too
     client = make_client(kubeconfig, service_account=service_account, stop=stopping)
-    return KubeNodeActor(client, node, draining=draining, poll=poll, stopping=stopping)
+    return KubeNodeActor(client, node, draining=draining, poll=poll, stopping=stopping, blocked=blocked)

@@ -10,84 +10,50 @@ remediator cordoned before stays cordoned, a label or taint someone else set sta
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
-from lightkube import ApiError, Client
+from lightkube import Client
 from lightkube.resources.core_v1 import Node
-from lightkube.resources.events_v1 import Event as KubeEvent
 from lightkube.types import PatchType
 
 from forewarn.approval.actor import ActionOutcome, Report
 from forewarn.approval.policy import NodeAction
 from forewarn.imds.document import Event
+from forewarn.node.drain import drain
 from forewarn.node.kube import KubeError, Stopped, explain
+from forewarn.node.nodeapi import (
+    APPLIED,
+    CONTROLLER,
+    EVENT_NAMESPACE,
+    NODE_ACTIONS_ANNOTATION,
+    Ledger,
+    NodeHandle,
+    actions_disabled,
+    held_by_others,
+    ledger_of,
+    ledger_patch,
+    rfc3339,
+)
+
+# Re-exported: tests, fleet/lease.py and operators' scripts know them from here.
+__all__ = ["APPLIED", "CONTROLLER", "EVENT_NAMESPACE", "KubeNodeActor", "Ledger", "held_by_others", "ledger_of",
+           "ledger_patch", "rfc3339"]
 
 log = logging.getLogger(__name__)
 
-#: The annotation that records what forewarn applied, per event id.
-APPLIED = "forewarn.io/applied"
-#: Kubernetes Events on a Node go to this namespace (as the kubelet's do).
-EVENT_NAMESPACE = "default"
-CONTROLLER = "forewarn.io/forewarn"
-_CONFLICT_RETRIES = 5
 
-Ledger = dict[str, dict[str, Any]]
-
-
-def rfc3339(moment: float, micro: bool = False) -> str:
-    text = datetime.fromtimestamp(moment, tz=timezone.utc).isoformat(timespec="microseconds" if micro else "seconds")
-    return text.replace("+00:00", "Z")
-
-
-def ledger_of(node: dict[str, Any]) -> Ledger:
-    """What forewarn applied to `node`, by event id (empty when the annotation is absent or unreadable)."""
-    text = ((node.get("metadata") or {}).get("annotations") or {}).get(APPLIED)
-    if not text:
-        return {}
-    try:
-        loaded = json.loads(text)
-    except ValueError:
-        log.warning("node annotation %s is not JSON; treating it as empty (nothing will be undone)", APPLIED)
-        return {}
-    return {str(k): v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
-
-
-def ledger_patch(ledger: Ledger) -> dict[str, Any]:
-    """The metadata part of a merge patch that stores `ledger` (removing the annotation when empty)."""
-    value = json.dumps(ledger, separators=(",", ":"), sort_keys=True) if ledger else None
-    return {"metadata": {"annotations": {APPLIED: value}}}
-
-
-def held_by_others(ledger: Ledger, event_id: str, kind: str, item: Any = True) -> bool:
-    """Whether an entry other than `event_id`'s holds `item` of `kind` (a cordon, a taint, a label...)."""
-    for other, entry in ledger.items():
-        if other == event_id:
-            continue
-        held = entry.get(kind)
-        if held == item or (isinstance(held, list) and item in held):
-            return True
-    return False
-
-
-class KubeNodeActor:
+class KubeNodeActor(NodeHandle):
     """Carries out a rule's node actions on the node `node` (the NodeActor of the approver)."""
 
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time,
                  poll: float = 1.0, draining: Callable[[int], None] | None = None,
-                 stopping: threading.Event | None = None) -> None:
-        self.client = client
-        self.node = node
-        self.clock = clock
-        self.poll = poll                  # seconds between looks at the pods of a drain
-        # Set by close(): ends the waits of a drain and (shared with the client's transport) any request.
-        self.stopping = stopping or threading.Event()
+                 stopping: threading.Event | None = None,
+                 blocked: Callable[[float], None] | None = None) -> None:
+        super().__init__(client, node, clock=clock, poll=poll, stopping=stopping, blocked=blocked)
         self._draining = draining or (lambda _count: None)
         self._drains = 0
         self._drains_lock = threading.Lock()
@@ -98,9 +64,25 @@ class KubeNodeActor:
 
     # --- the NodeActor interface ------------------------------------------------------------------
     def act(self, actions: Sequence[NodeAction], event: Event, dry_run: bool, report: Report) -> bool:
+        if actions:
+            try:
+                disabled = actions_disabled(self.get_node())
+            except KubeError as exc:
+                log.error("node %s, event %s: %s failed: %s", self.node, event.event_id, actions[0].kind, exc)
+                report(ActionOutcome(actions[0].kind, "failed", str(exc)))
+                return False
+            if disabled is not None:
+                # The administrator's word for this node: nothing is done, and the rule's on_failure decides
+                # the approval as if the actions had failed (hold by default: Azure starts it at NotBefore).
+                detail = (f"node actions are disabled on node {self.node} by its annotation "
+                          f"{NODE_ACTIONS_ANNOTATION}={disabled}: not done")
+                log.warning("node %s, event %s: %s", self.node, event.event_id, detail)
+                for action in actions:
+                    report(ActionOutcome(action.kind, "skipped", detail))
+                return False
         for action in actions:
             try:
-                detail = self._one(action, event, dry_run)
+                detail = self._one(action, event, dry_run, report)
             except Stopped as exc:
                 log.info("node %s, event %s: %s", self.node, event.event_id, exc)
                 return False
@@ -123,7 +105,7 @@ class KubeNodeActor:
             log.warning("node %s, event %s: %s%s", self.node, event_id, "DRY RUN: " if dry_run else "", detail)
             report(ActionOutcome("undo", "dry_run" if dry_run else "ok", detail))
 
-    def _one(self, action: NodeAction, event: Event, dry_run: bool) -> str:
+    def _one(self, action: NodeAction, event: Event, dry_run: bool, report: Report) -> str:
         if action.kind == "cordon":
             return self._cordon(event.event_id, dry_run)
         if action.kind == "taint":
@@ -135,61 +117,16 @@ class KubeNodeActor:
         if action.kind == "event":
             return self._event(action, event, dry_run)
         if action.kind == "drain":
-            from forewarn.node.drain import drain
-
             with self._drains_lock:
                 self._drains += 1
                 self._draining(self._drains)
             try:
-                return drain(self, action, event, dry_run)
+                return drain(self, action, event, dry_run, report)
             finally:
                 with self._drains_lock:
                     self._drains -= 1
                     self._draining(self._drains)
         raise KubeError(f"unknown node action {action.kind!r}")
-
-    # --- reading and patching the Node ------------------------------------------------------------
-    def get_node(self) -> dict[str, Any]:
-        try:
-            node: dict[str, Any] = self.client.get(Node, self.node).to_dict()
-        except Exception as exc:  # lightkube raises ApiError or httpx2 errors; both become a KubeError
-            raise explain(exc, f"get node {self.node}") from None
-        return node
-
-    def update_node(self, change: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, str]],
-                    dry_run: bool) -> str:
-        """Read the node, let `change` compute a merge patch (None: nothing to change) and what it means,
-        and apply it unless `dry_run`; computed again on a 409 (someone changed the node meanwhile)."""
-        for _ in range(_CONFLICT_RETRIES):
-            node = self.get_node()
-            patch, detail = change(node)
-            if patch is None:
-                return detail
-            if dry_run:
-                return f"dry run, not applied: {detail}"
-            patch.setdefault("metadata", {})["resourceVersion"] = node["metadata"]["resourceVersion"]
-            try:
-                self.client.patch(Node, self.node, patch, patch_type=PatchType.MERGE)
-            except ApiError as exc:
-                if exc.status.code == 409:
-                    continue
-                raise explain(exc, f"patch node {self.node}") from None
-            except Exception as exc:
-                raise explain(exc, f"patch node {self.node}") from None
-            return detail
-        raise KubeError(f"patch node {self.node}: still conflicting after {_CONFLICT_RETRIES} tries", 409)
-
-    def record(self, event_id: str, kind: str, item: Any, dry_run: bool) -> None:
-        """Add `item` of `kind` to the ledger entry of `event_id` (for what was applied in a separate
-        request, such as a condition or a drain)."""
-        def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-            ledger = ledger_of(node)
-            entry = ledger.setdefault(event_id, {})
-            if entry.get(kind) == item:
-                return None, ""
-            entry[kind] = item
-            return ledger_patch(ledger), ""
-        self.update_node(change, dry_run)
 
     # --- the actions ------------------------------------------------------------------------------
     def _cordon(self, event_id: str, dry_run: bool) -> str:
@@ -284,28 +221,12 @@ class KubeNodeActor:
                 f"{not_before}; {event.description or ''}").strip("; ")[:1024]
         if dry_run:
             return f"would post a {action.event_type} event {action.reason} on node {self.node}"
-        node_uid = None
         try:
             node_uid = self.client.get(Node, self.node).metadata.uid  # type: ignore[union-attr]
         except Exception as exc:
             raise explain(exc, f"get node {self.node}") from None
-        body = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"name": f"{self.node}.{secrets.token_hex(8)}", "namespace": EVENT_NAMESPACE},
-            "eventTime": rfc3339(self.clock(), micro=True),
-            "reportingController": CONTROLLER,
-            "reportingInstance": f"forewarn@{self.node}"[:128],
-            "action": event.event_type,
-            "reason": action.reason,
-            "type": action.event_type,
-            "note": note,
-            "regarding": {"apiVersion": "v1", "kind": "Node", "name": self.node,
-                          **({"uid": node_uid} if node_uid else {})},
-        }
-        try:
-            self.client.create(cast(KubeEvent, KubeEvent.from_dict(body)), namespace=EVENT_NAMESPACE)
-        except Exception as exc:
-            raise explain(exc, f"create event in namespace {EVENT_NAMESPACE}") from None
+        regarding = {"apiVersion": "v1", "kind": "Node", "name": self.node, **({"uid": node_uid} if node_uid else {})}
+        self.post_event(regarding, action=event.event_type, reason=action.reason, kind=action.event_type, note=note)
         return f"posted a {action.event_type} event {action.reason} on node {self.node}"
 
     # --- undo -------------------------------------------------------------------------------------

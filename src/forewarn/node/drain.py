@@ -5,215 +5,87 @@
 - DaemonSet pods (their controller would put them back) and mirror pods (the kubelet's static pods) are
   skipped, as are pods already finished; pods with emptyDir volumes only when the action allows it
   (`delete_local_data`), otherwise they stay and the drain fails naming them.
+- Order (`order: priority`, the default): the pods with the lowest priority (`spec.priority`) go first, tier by
+  tier; the PriorityClasses in `last` (system-cluster-critical, system-node-critical) after every other. A
+  tier is waited for until its pods are gone or its share of the time is up (the time left to the deadline
+  divided by the tiers left), then the next one starts; pods of earlier tiers still there are tried again.
 - Each eviction's grace period is the pod's own, at most `grace`, and clamped so the pod is gone by the
   deadline: the earlier of `timeout` after the start and NotBefore minus `margin`.
-- At most `max_nodes` nodes drain at once across the cluster: a drain holds one of that many Leases
-  (`forewarn-drain-0`, ...), renewed while it runs, so one event listing a whole scale set never empties
-  the node pool. The Lease names the node, so a restarted forewarn takes its own slot back.
+- At the deadline (`at_deadline`): `report` fails the drain naming the pods left and the budgets that keep
+  them; `delete` deletes them (never mirror pods, never DaemonSet pods) with the grace left before NotBefore,
+  each one reported, and waits for them to go.
+- `stop_daemonsets` (daemonsets.py): once the node is drained it is tainted NoExecute, so DaemonSet pods
+  that do not tolerate it (log shippers...) stop with their own grace, after the workloads they serve.
+- At most `max_nodes` nodes drain at once across the cluster (slots.py: one of that many Leases), so one
+  event listing a whole scale set never empties the node pool.
 - With a `selector`, only the pods matching it are listed and evicted (the API filters them, as the
-  `labelSelector` of the pod list); every rule above holds for those. A Freeze pauses the VM for seconds,
-  which most pods sit out unharmed, so the AKS policy moves only pods labelled as unable to pause.
-- The start and the deadline are written to the node's `forewarn.io/applied` annotation: a forewarn that
-  restarts in the middle of a drain resumes it, with the same deadline, rather than starting another.
+  `labelSelector` of the pod list); every rule above holds for those.
+- The start, the deadline and the tier under way are written to the node's `forewarn.io/applied`
+  annotation: a forewarn that restarts in the middle of a drain resumes it where it was, with the same
+  deadline, rather than starting another.
+- Each step is reported as it happens (drainrun.py: started, blocked at most once a minute, deleted, done,
+  failed) and posted as a Kubernetes Event on the node; each pod evicted or deleted gets an Event too.
+Which pods go, in which tier and with what grace is pods.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-from lightkube import ALL_NS, ApiError, operators
-from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Pod, PodEviction
-
-from forewarn.approval.policy import LabelRequirement, NodeAction
+from forewarn.approval.actor import Report
+from forewarn.approval.policy import STOP_TAINT, NodeAction
 from forewarn.imds.document import Event
-from forewarn.node.actions import ledger_of, rfc3339
-from forewarn.node.kube import KubeError, Stopped, explain, lease_expired
+from forewarn.node.daemonsets import stop_daemonsets, stop_taint
+from forewarn.node.drainrun import DrainRun
+from forewarn.node.kube import KubeError, Stopped
+from forewarn.node.nodeapi import NodeHandle, ledger_of, rfc3339
+from forewarn.node.pods import (
+    Tier,
+    classify,
+    is_daemonset,
+    list_pods,
+    listed,
+    pod_name,
+    tier_of,
+    tier_text,
+    tolerates,
+)
+from forewarn.node.slots import LEASE_PREFIX, LEASE_SECONDS, Slot
 
-if TYPE_CHECKING:
-    from forewarn.node.actions import KubeNodeActor
+# Re-exported: the Lease names and times are documented with the drain.
+__all__ = ["LEASE_PREFIX", "LEASE_SECONDS", "drain"]
 
 log = logging.getLogger(__name__)
 
-LEASE_PREFIX = "forewarn-drain-"
-LEASE_SECONDS = 60          # a slot whose holder stopped renewing is free again after this long
-DEFAULT_GRACE = 30          # Kubernetes' default terminationGracePeriodSeconds
-MIRROR = "kubernetes.io/config.mirror"
+
+def _dry_run(node: NodeHandle, action: NodeAction, event: Event, seconds: float, matching: str) -> str:
+    pods = list_pods(node, action)
+    kinds = {pod_name(pod): classify(pod, action.delete_local_data) for pod in pods}
+    evict = sorted(name for name, kind in kinds.items() if kind == "evict")
+    stay = sorted(name for name, kind in kinds.items() if kind == "local")
+    tiers: dict[Tier, list[str]] = {}
+    for pod in pods:
+        if kinds[pod_name(pod)] == "evict":
+            tiers.setdefault(tier_of(pod, action), []).append(pod_name(pod))
+    text = (f"would drain node {node.node}: evict {len(evict)} pod(s){matching} ({', '.join(evict) or 'none'})"
+            + (f"; {len(stay)} with local storage would block it ({', '.join(stay)})" if stay else ""))
+    if len(tiers) > 1:
+        text += "; in this order: " + "; ".join(f"{tier_text(tier, action)}: {listed(names, 5)}"
+                                               for tier, names in sorted(tiers.items()))
+    if action.stop_daemonsets:
+        taint = stop_taint(event)
+        everything = list_pods(node, action, every=True)
+        going = [pod_name(p) for p in everything if is_daemonset(p) and not tolerates(p, taint)]
+        staying = [pod_name(p) for p in everything if is_daemonset(p) and tolerates(p, taint)]
+        text += (f"; then would taint {STOP_TAINT}:NoExecute: {len(going)} DaemonSet pod(s) would stop "
+                 f"({listed(going)}), {len(staying)} tolerate it and stay ({listed(staying)})")
+    return text + f"; deadline in {seconds:.0f} s"
 
 
-def _name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
-    return f"{meta.get('namespace')}/{meta.get('name')}"
-
-
-def classify(pod: dict[str, Any], delete_local_data: bool) -> str:
-    """What a drain does with `pod`: evict, skip (DaemonSet, mirror, finished), local (emptyDir, not
-    allowed) or wait (terminating already)."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    if MIRROR in (meta.get("annotations") or {}):
-        return "skip"
-    if any(ref.get("kind") == "DaemonSet" for ref in meta.get("ownerReferences") or []):
-        return "skip"
-    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-        return "skip"
-    if meta.get("deletionTimestamp"):
-        return "wait"
-    if not delete_local_data and any("emptyDir" in volume for volume in spec.get("volumes") or []):
-        return "local"
-    return "evict"
-
-
-def clamp_grace(pod: dict[str, Any], most: int | None, left: float) -> int:
-    """The grace period to give `pod`: its own, at most `most`, and no longer than the `left` seconds to
-    the deadline (at least 1: 0 would mean a kill without SIGTERM)."""
-    own = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
-    grace = DEFAULT_GRACE if own is None else int(own)
-    if most is not None:
-        grace = min(grace, most)
-    return max(1, min(grace, math.floor(left)))
-
-
-class _Slot:
-    """One of the cluster-wide drain Leases, held by this node while it drains."""
-
-    def __init__(self, actor: KubeNodeActor, namespace: str, slots: int, event_id: str) -> None:
-        self.actor = actor
-        self.namespace = namespace
-        self.slots = slots
-        self.event_id = event_id
-        self.name: str | None = None
-        self.renewed = 0.0
-
-    def _body(self, name: str, holder: str | None, version: str | None, acquired: str | None) -> Lease:
-        now = rfc3339(self.actor.clock(), micro=True)
-        spec: dict[str, Any] = {"leaseDurationSeconds": LEASE_SECONDS}
-        if holder:
-            spec.update(holderIdentity=holder, renewTime=now, acquireTime=acquired or now)
-        metadata: dict[str, Any] = {"name": name, "namespace": self.namespace,
-                                    "labels": {"app.kubernetes.io/managed-by": "forewarn"}}
-        if version:
-            metadata["resourceVersion"] = version
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
-        return cast(Lease, Lease.from_dict(body))
-
-    def take(self) -> str | None:
-        """Take a free slot (or the one this node holds already); None when all are busy. Returns a
-        description of the holders when busy, through `self.busy`."""
-        client = self.actor.client
-        node = self.actor.node
-        now = self.actor.clock()
-        holders = []
-        for index in range(self.slots):
-            name = f"{LEASE_PREFIX}{index}"
-            try:
-                lease = client.get(Lease, name, namespace=self.namespace).to_dict()
-            except ApiError as exc:
-                if exc.status.code != 404:
-                    raise explain(exc, f"get lease {self.namespace}/{name}") from None
-                try:
-                    client.create(self._body(name, node, None, None), namespace=self.namespace)
-                except ApiError as exc2:
-                    if exc2.status.code == 409:  # another node created it first
-                        continue
-                    raise explain(exc2, f"create lease {self.namespace}/{name}") from None
-                except Exception as exc2:
-                    raise explain(exc2, f"create lease {self.namespace}/{name}") from None
-                return self._took(name, now)
-            except Exception as exc:
-                raise explain(exc, f"get lease {self.namespace}/{name}") from None
-            spec = lease.get("spec") or {}
-            holder = spec.get("holderIdentity")
-            if holder == node:
-                return self._took(name, now, renew=False)
-            if holder and not lease_expired(spec, now, LEASE_SECONDS):
-                holders.append(str(holder))
-                continue
-            try:
-                client.replace(self._body(name, node, lease["metadata"]["resourceVersion"], None))
-            except ApiError as exc:
-                if exc.status.code == 409:  # taken meanwhile
-                    continue
-                raise explain(exc, f"update lease {self.namespace}/{name}") from None
-            except Exception as exc:
-                raise explain(exc, f"update lease {self.namespace}/{name}") from None
-            return self._took(name, now)
-        self.busy = ", ".join(holders)
-        return None
-
-    busy = ""
-
-    def _took(self, name: str, now: float, renew: bool = True) -> str:
-        self.name = name
-        self.renewed = now if renew else 0.0
-        return name
-
-    def _update(self, holder: str | None) -> None:
-        if self.name is None:
-            return
-        client = self.actor.client
-        try:
-            lease = client.get(Lease, self.name, namespace=self.namespace).to_dict()
-            if (lease.get("spec") or {}).get("holderIdentity") != self.actor.node:
-                raise KubeError(f"lease {self.namespace}/{self.name} was taken by another node")
-            acquired = (lease.get("spec") or {}).get("acquireTime")
-            client.replace(self._body(self.name, holder, lease["metadata"]["resourceVersion"], acquired))
-        except KubeError:
-            raise
-        except Exception as exc:
-            raise explain(exc, f"update lease {self.namespace}/{self.name}") from None
-
-    def renew(self) -> None:
-        now = self.actor.clock()
-        if now - self.renewed >= LEASE_SECONDS / 3:
-            self._update(self.actor.node)
-            self.renewed = now
-
-    def release(self) -> None:
-        self._update(None)
-        self.name = None
-
-
-def label_pairs(selector: Sequence[LabelRequirement]) -> list[tuple[str, operators.Operator[Any]]]:
-    """`selector` in the form lightkube's `list(labels=...)` encodes into a labelSelector. A list of pairs
-    rather than a dict: `build_selector` takes both, and only a list keeps two terms on one key
-    (`a!=x,a!=y`)."""
-    pairs: list[tuple[str, operators.Operator[Any]]] = []
-    for term in selector:
-        operator: operators.Operator[Any]
-        if term.op == "exists":
-            operator = operators.exists()
-        elif term.op == "!":
-            operator = operators.not_exists()
-        elif term.op == "in":
-            operator = operators.in_(term.values)
-        elif term.op == "notin":
-            operator = operators.not_in(term.values)
-        elif term.op == "!=":
-            operator = operators.not_equal(term.values[0])
-        else:
-            operator = operators.equal(term.values[0])
-        pairs.append((term.key, operator))
-    return pairs
-
-
-def _pods(actor: KubeNodeActor, action: NodeAction) -> list[dict[str, Any]]:
-    """The pods on the node, only those matching the drain's selector when it has one."""
-    labels = cast(Any, label_pairs(action.selector)) if action.selector else None
-    try:
-        return [pod.to_dict() for pod in actor.client.list(Pod, namespace=ALL_NS, labels=labels,
-                                                            fields={"spec.nodeName": actor.node})]
-    except Exception as exc:
-        raise explain(exc, f"list pods on node {actor.node}"
-                      + (f" matching {action.selector_text}" if action.selector else "")) from None
-
-
-def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool) -> str:
-    """Drain `actor.node` for `event`; returns what was done, raises KubeError when the drain failed."""
-    clock = actor.clock
+def drain(node: NodeHandle, action: NodeAction, event: Event, dry_run: bool, report: Report) -> str:
+    """Drain `node` for `event`; returns what was done, raises KubeError when the drain failed."""
+    clock = node.clock
     start = clock()
     deadline = start + action.timeout
     if event.not_before is not None:
@@ -223,112 +95,146 @@ def drain(actor: KubeNodeActor, action: NodeAction, event: Event, dry_run: bool)
     # A selective drain says so wherever it reports, so nobody reads "drained" as "the node is empty".
     matching = f" matching {action.selector_text}" if action.selector else ""
     if dry_run:
-        pods = _pods(actor, action)
-        kinds = {_name(pod): classify(pod, action.delete_local_data) for pod in pods}
-        evict = sorted(name for name, kind in kinds.items() if kind == "evict")
-        stay = sorted(name for name, kind in kinds.items() if kind == "local")
-        return (f"would drain node {actor.node}: evict {len(evict)} pod(s){matching} ({', '.join(evict) or 'none'})"
-                + (f"; {len(stay)} with local storage would block it ({', '.join(stay)})" if stay else "")
-                + f"; deadline in {deadline - start:.0f} s")
+        return _dry_run(node, action, event, deadline - start, matching)
 
-    entry = ledger_of(actor.get_node()).get(event.event_id, {})
+    entry = ledger_of(node.get_node()).get(event.event_id, {})
     earlier = entry.get("drain") if isinstance(entry.get("drain"), dict) else None
     if earlier and earlier.get("done"):
-        return f"node {actor.node} already drained for this event"
+        return f"node {node.node} already drained for this event"
+    state: dict[str, Any] = dict(earlier or {})
     if earlier:
         deadline = float(earlier.get("deadline", deadline))
-        log.warning("node %s: resuming the drain for event %s started at %s (deadline %s)", actor.node,
-                    event.event_id, earlier.get("started"), rfc3339(deadline))
-    namespace = action.lease_namespace or actor.client.namespace
-    slot = _Slot(actor, namespace, action.max_nodes, event.event_id)
+        log.warning("node %s: resuming the drain for event %s started at %s (deadline %s, tier %s)", node.node,
+                    event.event_id, earlier.get("started"), rfc3339(deadline), earlier.get("tier"))
+    namespace = action.lease_namespace or node.client.namespace
+    slot = Slot(node, namespace, action.max_nodes, event.event_id)
+    run = DrainRun(node, action, event, report, deadline, float(state.get("started_at", start)))
     waiting_logged = False
-    while slot.take() is None:
-        if not waiting_logged:
-            log.warning("node %s: waiting for a drain slot (at most %d node(s) drain at once; draining: %s)",
-                        actor.node, action.max_nodes, slot.busy)
-            waiting_logged = True
-        if clock() >= deadline:
-            raise KubeError(f"no drain slot came free before the deadline (at most {action.max_nodes} node(s) "
-                            f"drain at once; draining: {slot.busy})")
-        if actor.stopping.wait(actor.poll):
-            raise Stopped("stopped while waiting for a drain slot")
-    if not earlier:
-        actor.record(event.event_id, "drain", {"started": rfc3339(start), "deadline": deadline, "lease": slot.name},
-                     dry_run=False)
-    evicted: dict[str, int] = {}
-    said = ""
     try:
-        while True:
-            slot.renew()
-            pods = _pods(actor, action)
-            blocked: list[str] = []
-            left: list[str] = []
-            local: list[str] = []
-            for pod in pods:
-                name = _name(pod)
-                kind = classify(pod, action.delete_local_data)
-                if kind == "local":
-                    local.append(name)
-                elif kind == "wait" or (kind == "evict" and name in evicted):
-                    left.append(name)
-                elif kind == "evict":
-                    grace = clamp_grace(pod, action.grace, deadline - clock())
-                    outcome = _evict(actor, pod, grace)
-                    if outcome == "evicted":
-                        evicted[name] = grace
-                        left.append(name)
-                    elif outcome == "blocked":
-                        blocked.append(name)
-            if not left and not blocked:
-                break
-            now = clock()
-            progress = (f"{len(left)} pod(s){matching} terminating, {len(blocked)} blocked by a PodDisruptionBudget "
-                        f"({', '.join(sorted(blocked)) or 'none'})")
-            if progress != said:
-                log.info("node %s: draining: %s; %.0f s to the deadline", actor.node, progress, deadline - now)
-                said = progress
-            if now >= deadline:
-                raise KubeError(f"drain deadline passed with pods left: {progress}"
-                                + (f"; not evicted (local storage): {', '.join(sorted(local))}" if local else ""))
-            if actor.stopping.wait(actor.poll):
-                raise Stopped("stopped in the middle of the drain; the next start resumes it")
-        actor.record(event.event_id, "drain", {"started": (earlier or {}).get("started", rfc3339(start)),
-                                               "deadline": deadline, "done": True}, dry_run=False)
+        while slot.take() is None:
+            if not waiting_logged:
+                log.warning("node %s: waiting for a drain slot (at most %d node(s) drain at once; draining: %s)",
+                            node.node, action.max_nodes, slot.busy)
+                waiting_logged = True
+            if clock() >= deadline:
+                raise KubeError(f"no drain slot came free before the deadline (at most {action.max_nodes} node(s) "
+                                f"drain at once; draining: {slot.busy})")
+            if node.stopping.wait(node.poll):
+                raise Stopped("stopped while waiting for a drain slot")
+        if not earlier:
+            state = {"started": rfc3339(start), "started_at": start, "deadline": deadline, "lease": slot.name}
+            node.record(event.event_id, "drain", state, dry_run=False)
+        run.say("started", f"drain of node {node.node}{matching} started: deadline {rfc3339(deadline)} (in "
+                f"{max(0.0, deadline - clock()):.0f} s); order: {action.order_text}; at the deadline: "
+                f"{action.at_deadline}", deadline=rfc3339(deadline), order=action.order,
+                at_deadline=action.at_deadline, resumed=bool(earlier))
+        if not earlier:
+            run.node_event("DrainStarted", "Normal", f"forewarn started draining node {node.node}{matching} "
+                           f"(deadline {rfc3339(deadline)})")
+        local = _evict_all(run, state, slot)
+        stopped = stop_daemonsets(run) if action.stop_daemonsets else ""
+        node.record(event.event_id, "drain", {"started": state.get("started", rfc3339(start)),
+                                              "deadline": deadline, "done": True}, dry_run=False)
         slot.release()
+    except Stopped:
+        node.blocked(0)
+        raise
     except KubeError as exc:
+        node.blocked(0)
         if exc.code == 403 or "deadline" in str(exc):
             try:
                 slot.release()
             except KubeError as release_error:
-                log.error("node %s: cannot release drain slot: %s", actor.node, release_error)
+                log.error("node %s: cannot release drain slot: %s", node.node, release_error)
+        _failed(run, str(exc), clock() - start)
         raise
-    graces = sorted(set(evicted.values()))
-    done = (f"drained node {actor.node}: evicted {len(evicted)} pod(s){matching}"
+    node.blocked(0)
+    graces = sorted(set(run.evicted.values()))
+    took = clock() - start
+    done = (f"drained node {node.node}: evicted {len(run.evicted)} pod(s){matching}"
             + (f" (grace {', '.join(map(str, graces))} s)" if graces else "")
-            + f" in {clock() - start:.1f} s, {max(0.0, deadline - clock()):.0f} s before the deadline")
+            + (f", deleted {len(run.deleted)} at the deadline ({listed(list(run.deleted))})" if run.deleted else "")
+            + f" in {took:.1f} s, {max(0.0, deadline - clock()):.0f} s before the deadline" + stopped)
     if local:
-        raise KubeError(f"{done}; but {len(local)} pod(s) with local storage were not evicted (allow with "
-                        f"delete_local_data: true): {', '.join(sorted(local))}")
+        reason = (f"{done}; but {len(local)} pod(s) with local storage were not evicted (allow with "
+                  f"delete_local_data: true): {', '.join(sorted(local))}")
+        _failed(run, reason, took)
+        raise KubeError(reason)
+    run.say("done", done, evicted=sorted(run.evicted), evicted_count=len(run.evicted), deleted=sorted(run.deleted),
+            seconds=round(took, 1))
+    run.node_event("DrainDone", "Normal", done)
     return done
 
 
-def _evict(actor: KubeNodeActor, pod: dict[str, Any], grace: int) -> str:
-    """Ask for the eviction of `pod`: evicted, blocked (a PodDisruptionBudget forbids it now) or gone."""
-    meta = pod.get("metadata") or {}
-    name, namespace = str(meta.get("name")), str(meta.get("namespace"))
-    body = cast(PodEviction, Pod.Eviction.from_dict({"apiVersion": "policy/v1", "kind": "Eviction",
-                                   "metadata": {"name": name, "namespace": namespace},
-                                   "deleteOptions": {"gracePeriodSeconds": grace}}))
-    try:
-        actor.client.create(body, name=name, namespace=namespace)
-    except ApiError as exc:
-        code = exc.status.code
-        if code == 429 or (code == 500 and "disruption budget" in str(exc.status.message or "")):
-            return "blocked"
-        if code == 404:
-            return "gone"
-        raise explain(exc, f"evict pod {namespace}/{name}") from None
-    except Exception as exc:
-        raise explain(exc, f"evict pod {namespace}/{name}") from None
-    log.info("node %s: evicted pod %s/%s (grace %d s)", actor.node, namespace, name, grace)
-    return "evicted"
+def _failed(run: DrainRun, reason: str, took: float) -> None:
+    run.say("failed", f"drain of node {run.node.node} failed: {reason}", reason=reason,
+            blocked=[{"pod": pod, "budget": budget} for pod, budget in sorted(run.blocked.items())],
+            evicted_count=len(run.evicted), seconds=round(took, 1))
+    run.node_event("DrainFailed", "Warning", f"forewarn's drain of node {run.node.node} failed: {reason}")
+
+
+def _evict_all(run: DrainRun, state: dict[str, Any], slot: Slot) -> list[str]:
+    """Evict the pods tier by tier until none is left; returns the pods kept for their local storage."""
+    node, action, event = run.node, run.action, run.event
+    clock = node.clock
+    tier: Tier | None = tuple(state["tier"]) if isinstance(state.get("tier"), list) else None
+    tier_until = float(state.get("tier_until") or 0.0)
+    deleted_at: float | None = None
+    said = ""
+    while True:
+        slot.renew()
+        now = clock()
+        pods = list_pods(node, action)
+        kinds = {pod_name(pod): classify(pod, action.delete_local_data) for pod in pods}
+        local = sorted(name for name, kind in kinds.items() if kind == "local")
+        present = sorted({tier_of(pod, action) for pod in pods if kinds[pod_name(pod)] in ("evict", "wait")})
+        if not present:
+            return local
+        # The tier under way: the first; the next once every pod up to this one is gone or its time is up.
+        active = [t for t in present if tier is not None and t <= tier]
+        if tier is None or not active or now >= tier_until:
+            later = [t for t in present if tier is None or t > tier]
+            if later:
+                tier = later[0]
+                tier_until = now + max(0.0, run.deadline - now) / len(later)
+                state.update(tier=list(tier), tier_until=tier_until)
+                node.record(event.event_id, "drain", dict(state), dry_run=False)
+                log.info("node %s: draining %s (%d tier(s) left, this one until %s)", node.node,
+                         tier_text(tier, action), len(later), rfc3339(tier_until))
+        assert tier is not None
+        run.blocked = {}   # filled by run.evict() with the pods a budget refuses at this look
+        left: list[str] = []
+        for pod in pods:
+            name = pod_name(pod)
+            kind = kinds[name]
+            if kind not in ("evict", "wait") or tier_of(pod, action) > tier:
+                continue
+            if kind == "wait" or name in run.evicted or name in run.deleted:
+                left.append(name)
+                continue
+            run.evict(pod, now)
+            if name in run.evicted:
+                left.append(name)
+        blocked = dict(run.blocked)
+        run.note_blocked(blocked, now, tier)
+        waiting = sum(1 for pod in pods if kinds[pod_name(pod)] == "evict" and tier_of(pod, action) > tier)
+        progress = (f"{len(left)} pod(s){run.matching} terminating, {len(blocked)} blocked by a PodDisruptionBudget"
+                    f" ({', '.join(f'{p} by {b}' for p, b in sorted(blocked.items())) or 'none'}), {waiting} waiting "
+                    f"for a later tier")
+        if progress != said:
+            log.info("node %s: draining: %s; %.0f s to the deadline", node.node, progress, run.deadline - now)
+            said = progress
+        if now >= run.deadline:
+            if action.at_deadline != "delete":
+                raise KubeError(f"drain deadline passed with pods left: {progress}"
+                                + (f"; not evicted (local storage): {', '.join(local)}" if local else ""))
+            if deleted_at is None:
+                # Never before the deadline: only now do the pods still there go without their budget's say.
+                deleted_at = now
+                for pod in pods:
+                    if kinds[pod_name(pod)] == "evict" and pod_name(pod) not in run.evicted:
+                        run.delete(pod, now)
+            elif now > deleted_at + max([*run.deleted.values(), *run.evicted.values(), 0]) + 5:
+                raise KubeError(f"pods still there after the deletions at the drain deadline: {progress}")
+        if node.stopping.wait(node.poll):
+            raise Stopped("stopped in the middle of the drain; the next start resumes it")

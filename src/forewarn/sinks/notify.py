@@ -28,15 +28,19 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from forewarn.config import safe_url
-from forewarn.records import APPROVED, Record
+from forewarn.records import APPROVED, DRAIN, NODE_ACTION, Record
 from forewarn.retry import parse_retry_after
 from forewarn.sinks import SinkConfigError, SinkError
 from forewarn.tracker import ChangeKind
 
 log = logging.getLogger(__name__)
 
-#: The changes a filter may name: the tracker's (added, updated, removed) and the approver's.
-CHANGES = (*(str(kind) for kind in ChangeKind), APPROVED)
+#: The changes a filter may name: the tracker's (added, updated, removed) and the approver's (approved, and
+#: node_action and drain for Kubernetes node actions).
+CHANGES = (*(str(kind) for kind in ChangeKind), APPROVED, NODE_ACTION, DRAIN)
+#: How each step of a drain reads in a headline.
+_DRAIN_WORDS = {"started": "started", "blocked": "blocked by a PodDisruptionBudget",
+                "deleted": "deleted a pod at the deadline", "done": "done", "failed": "failed"}
 #: Ids remembered per sink; far more than one VM's changes between two restarts.
 MAX_SENT = 10_000
 #: The file beside the outbox database that holds the ids sent.
@@ -329,6 +333,25 @@ def listed(items: Iterable[Any], limit: int) -> str:
     return ", ".join(shown_names) or "none"
 
 
+def node_facts(record: Record) -> list[tuple[str, str]]:
+    """The facts a message adds for a node action or a drain step: the node, and what happened."""
+    data = record.data
+    if data.get("change") == DRAIN:
+        facts = [("Node", str(data.get("node", "?"))), ("Drain", str(data.get("phase", "?")))]
+        blocked = data.get("blocked") or []
+        if blocked:
+            facts.append(("Blocked", listed((f"{b.get('pod')} (PDB {b.get('budget')})" for b in blocked), 1900)))
+        if "evicted_count" in data:
+            facts.append(("Evicted", f"{data['evicted_count']} pod(s) in {data.get('seconds', '?')} s"))
+        if data.get("pod"):
+            facts.append(("Pod", f"{data['pod']} (grace {data.get('grace', '?')} s)"))
+        return facts
+    if data.get("change") == NODE_ACTION:
+        action = f"{data.get('action', '?')}: {data.get('result', '?')}"
+        return [("Node", str(data.get("node", "?"))), ("Action", action)]
+    return []
+
+
 def headline(record: Record) -> str:
     """`Reboot scheduled for vm-0`, `Freeze started on vm-0`, `Redeploy approved on vm-0`, ..."""
     event = event_of(record)
@@ -336,6 +359,12 @@ def headline(record: Record) -> str:
     vm = record.data.get("vm", {}).get("name") or "this VM"
     kind = event.get("EventType") or "Maintenance"
     status = event.get("EventStatus") or ""
+    if change == DRAIN:
+        phase = str(record.data.get("phase", ""))
+        return f"{kind}: drain of node {record.data.get('node', '?')} {_DRAIN_WORDS.get(phase, phase)}"
+    if change == NODE_ACTION:
+        return (f"{kind}: {record.data.get('action', '?')} {record.data.get('result', '?')} on node "
+                f"{record.data.get('node', '?')}")
     if change == APPROVED:
         return f"{kind} approved on {vm}" + (" (dry run)" if record.data.get("dry_run") else "")
     if change == str(ChangeKind.REMOVED):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from forewarn.records import Record
-from forewarn.sinks.notify import Filter, NotifySink, clip, event_of, headline, listed, when
+from forewarn.sinks.notify import Filter, NotifySink, clip, event_of, headline, listed, node_facts, when
 
 
 def slack_message(record: Record, now: float, link: str | None) -> dict[str, Any]:
@@ -26,12 +26,14 @@ def slack_message(record: Record, now: float, link: str | None) -> dict[str, Any
              ("Change", str(data.get("change", "?"))), ("Resources", listed(event.get("Resources", []), 1900))]
     if data.get("policy_rule"):
         facts.append(("Policy rule", str(data["policy_rule"])))
+    # A node action or a drain step: what happened to the node leads, the event's own facts follow.
+    facts = [*node_facts(record), *facts]
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": clip(title, 150), "emoji": False}},
         {"type": "section", "fields": [{"type": "mrkdwn", "text": clip(f"*{name}*\n{value}", 2000)}
                                        for name, value in facts[:10]]},
     ]
-    description = str(event.get("Description") or "")
+    description = str(data.get("detail") or event.get("Description") or "")
     if description:
         blocks.append({"type": "section", "text": {"type": "plain_text", "text": clip(description, 3000)}})
     blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": clip(

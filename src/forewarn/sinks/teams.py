@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from forewarn.records import Record
-from forewarn.sinks.notify import Filter, NotifySink, clip, event_of, headline, listed, when
+from forewarn.sinks.notify import Filter, NotifySink, clip, event_of, headline, listed, node_facts, when
 
 CARD_CONTENT_TYPE = "application/vnd.microsoft.card.adaptive"
 
@@ -27,12 +27,14 @@ def adaptive_card(record: Record, now: float, link: str | None) -> dict[str, Any
              ("Event id", record.subject)]
     if data.get("policy_rule"):
         facts.append(("Policy rule", str(data["policy_rule"])))
+    # A node action or a drain step: what happened to the node leads, the event's own facts follow.
+    facts = [*node_facts(record), *facts]
     body: list[dict[str, Any]] = [
         {"type": "TextBlock", "text": clip(headline(record), 200), "size": "large", "weight": "bolder",
          "wrap": True},
         {"type": "FactSet", "facts": [{"title": name, "value": str(value)} for name, value in facts]},
     ]
-    description = str(event.get("Description") or "")
+    description = str(data.get("detail") or event.get("Description") or "")
     if description:
         body.append({"type": "TextBlock", "text": clip(description, 3000), "wrap": True})
     body.append({"type": "TextBlock", "text": f"record {record.id} · forewarn", "size": "small",
