@@ -79,7 +79,6 @@ def test_fleet_keys_match_where_the_event_is_and_every_vm_it_releases() -> None:
 @pytest.mark.parametrize(("text", "fleet", "message"), [
     ("rules: [{name: a, action: approve, match: {affects_this_vm: true}}]", True,
      "rules[0].match.affects_this_vm: forewarn fleet is none of the VMs"),
-    ("rules: [{name: a, action: approve, node: [cordon]}]", True, "node actions from forewarn fleet are not built"),
     ("leader: {mode: first}\nrules: [{name: a, action: approve}]", True, "there is no leader"),
     ("rules: [{name: a, action: approve, match: {vm: [web-*]}}]", False, "matches only in forewarn fleet"),
     ("rules: [{name: a, action: approve, match: {subscription: [not-a-guid]}}]", True, "subscription"),

@@ -567,8 +567,8 @@ FLEET_KEYS = ("subscription", "resource_group", "scale_set", "vm")
 
 def _check_mode(data: Mapping[str, Any], fleet: bool, fail: Any) -> None:
     """What only one mode can mean. `forewarn fleet` is no VM of the event, so `affects_this_vm` and the
-    leader among affected VMs mean nothing there, and its node actions are not built yet; the per-VM agent
-    knows only its own VM, so the fleet's place keys mean nothing to it."""
+    leader among affected VMs mean nothing there (its node actions act on the node of every VM the event
+    names); the per-VM agent knows only its own VM, so the fleet's place keys mean nothing to it."""
     if fleet and "leader" in data:
         raise fail(["leader"], "forewarn fleet approves for every VM of an event at once: there is no leader "
                    "among them (remove leader)")
@@ -577,9 +577,6 @@ def _check_mode(data: Mapping[str, Any], fleet: bool, fail: Any) -> None:
         if fleet and "affects_this_vm" in match:
             raise fail(["rules", index, "match", "affects_this_vm"], "forewarn fleet is none of the VMs; match "
                        "them with vm, scale_set, resource_group or subscription")
-        if fleet and rule.get("node"):
-            raise fail(["rules", index, "node"], "node actions from forewarn fleet are not built yet; run the "
-                       "per-VM agent (a DaemonSet) with this rule for them")
         for key in FLEET_KEYS:
             if not fleet and key in match:
                 raise fail(["rules", index, "match", key], "matches only in forewarn fleet (the agent on a VM "

@@ -22,17 +22,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forewarn.approval.policy import Place, Policy, decide
+from forewarn.approval.policy import Place, Policy, Rule, decide
 from forewarn.fleet.armid import COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS, parse_arm_id
 from forewarn.fleet.feed import FleetEvent, vm_ids
+from forewarn.fleet.nodes import NodeIndex
 from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
 from forewarn.fleet.tracker import event_key
+from forewarn.logs import StateLog
 from forewarn.records import Record, approval_record
 from forewarn.retry import Backoff
+
+if TYPE_CHECKING:
+    from forewarn.fleet.nodeactions import FleetNodes
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +49,15 @@ DEFAULT_TICK = 1.0
 @dataclass
 class _Track:
     first_seen: float
+    event: FleetEvent
     stage: str = "waiting"       # waiting, approved (acknowledged), decided (dry run), refused (ARM said no)
     attempts: int = 0
     next_attempt: float = 0.0
     said: str = ""
+    # the rule's node actions: "" (none run), acting, acted, failed; on which nodes (node -> VM ID)
+    acting: str = ""
+    nodes: dict[str, str] = field(default_factory=dict)
+    work: Future[bool] | None = None
 
 
 def place_of(event: FleetEvent) -> Place:
@@ -66,8 +77,11 @@ class FleetApprover:
     def __init__(self, policy: Policy, acknowledger: Any, open_events: Callable[[], Sequence[FleetEvent]],
                  record: Callable[[Sequence[Record]], object], approvals: Any, dry_run: bool = False,
                  active: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
-                 tick: float = DEFAULT_TICK) -> None:
+                 tick: float = DEFAULT_TICK, nodes: FleetNodes | None = None,
+                 settled: Callable[[], bool] = lambda: True) -> None:
         self.policy = policy
+        self.nodes = nodes             # node actions (forewarn.fleet.nodeactions); None when no rule has any
+        self.settled = settled         # whether every open event is known (a complete snapshot in this term)
         self.acknowledger = acknowledger
         self.open_events = open_events
         self.record = record
@@ -82,7 +96,16 @@ class FleetApprover:
         self._backoff = Backoff(base=2.0, cap=60.0)
         self._cap_said = False
         self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
+        self._nodes_state = StateLog(log, "Kubernetes nodes")
+        self._ended: list[FleetEvent] = []     # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
+
+    def ended(self, events: Sequence[FleetEvent]) -> None:
+        """Events that ended (the committer, after its commit): what nodes hold for them is undone at the next
+        tick, also when this replica never acted for them (its predecessor did)."""
+        if self.nodes is not None:
+            with self._lock:
+                self._ended.extend(events)
 
     # --- the Lease's handover (forewarn.fleet.handover) -----------------------------------------------
     def inherit(self, annotation: str | None) -> None:
@@ -104,30 +127,40 @@ class FleetApprover:
                            if track.stage in ("approved", "decided")} | self._inherited)
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                self.step(stop)
-            except Exception:  # a bug must not end the approvals of the term
-                log.exception("the fleet approver failed; trying again at the next tick")
-            stop.wait(self.tick)
+        if self.nodes is not None:
+            self.nodes.begin(stop)
+        try:
+            while not stop.is_set():
+                try:
+                    self.step(stop)
+                except Exception:  # a bug must not end the approvals of the term
+                    log.exception("the fleet approver failed; trying again at the next tick")
+                stop.wait(self.tick)
+        finally:
+            if self.nodes is not None:
+                self.nodes.end()
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target."""
+        events = {event_key(event): event for event in self.open_events()}
+        index = self._node_index(events)   # a Kubernetes request, outside the lock
         with self._lock:
-            due = self._decide()
+            due = self._decide(events, index)
         for target, batch in due.items():
             batch = self._within_cap(batch, self.clock())
             if not batch or (stop is not None and stop.is_set()) or not self.active():
                 continue
             self._approve(target, batch)
 
-    def _decide(self) -> dict[str, list[tuple[FleetEvent, str]]]:
+    def _decide(self, events: dict[tuple[str, str], FleetEvent],
+                index: NodeIndex | None) -> dict[str, list[tuple[FleetEvent, str]]]:
         from forewarn.fleet.handover import key_digest
 
         now = self.clock()
-        events = {event_key(event): event for event in self.open_events()}
         for key in [key for key in self._tracks if key not in events]:
-            del self._tracks[key]    # ended: forgotten
+            ended = self._tracks.pop(key)   # ended: what its node actions applied is undone, then it is forgotten
+            if ended.nodes and self.nodes is not None:
+                self.nodes.undo(ended.event.event, ended.nodes, self.dry_run, ended.event)
         live = {id(track) for track in self._tracks.values()}
         self._digests = {digest: track for digest, track in self._digests.items() if id(track) in live}
         due: dict[str, list[tuple[FleetEvent, str]]] = {}
@@ -136,7 +169,7 @@ class FleetApprover:
                 continue
             track = self._tracks.get(key)
             if track is None:
-                track = self._tracks[key] = _Track(first_seen=now)
+                track = self._tracks[key] = _Track(first_seen=now, event=fleet_event)
                 digest = key_digest(fleet_event)
                 self._digests[digest] = track
                 if digest in self._inherited:
@@ -144,7 +177,10 @@ class FleetApprover:
                     self._say(track, fleet_event, "approved by the previous active replica")
             if track.stage != "waiting" or now < track.next_attempt:
                 continue
+            track.event = fleet_event
             decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, place_of(fleet_event))
+            if decision.rule is not None and decision.rule.node and not self._acted(track, decision.rule, index):
+                continue
             if decision.action != "approve" or decision.rule is None:
                 self._say(track, fleet_event, decision.reason)
                 continue
@@ -154,6 +190,60 @@ class FleetApprover:
                 continue
             due.setdefault(fleet_event.resource_id, []).append((fleet_event, decision.rule.name))
         return due
+
+    def _node_index(self, events: dict[tuple[str, str], FleetEvent]) -> NodeIndex | None:
+        """The cluster's nodes (None: no node actions, or the API cannot be read now); when read afresh, what
+        their ledgers hold for events no longer open is undone (left by an earlier term, or a missed end)."""
+        if self.nodes is None:
+            return None
+        from forewarn.fleet.nodeactions import left_over
+        from forewarn.node.kube import KubeError
+
+        try:
+            index, fresh = self.nodes.index()
+        except KubeError as exc:
+            self._nodes_state.failing(str(exc.code or "error"), f"{exc}; node actions wait")
+            return None
+        self._nodes_state.ok()
+        with self._lock:
+            ended, self._ended = self._ended, []
+        tracked = {key for key, track in self._tracks.items() if track.nodes}
+        for event in ended:   # ended while another replica had acted for them: the nodes' ledgers say where
+            holding = {node: "" for node, held in index.held.items() if event.event.event_id in held}
+            if holding and event_key(event) not in tracked:
+                self.nodes.undo(event.event, holding, self.dry_run, None)
+        if fresh and self.settled():
+            open_ids = {event.event.event_id for event in events.values()}
+            for node, held in index.held.items():
+                for event_id in held:
+                    if event_id not in open_ids:
+                        log.warning("node %s holds what forewarn applied for event %s, which is no longer open: "
+                                    "undoing it", node, event_id)
+                        self.nodes.undo(left_over(event_id), {node: ""}, self.dry_run, None)
+        return index
+
+    def _acted(self, track: _Track, rule: Rule, index: NodeIndex | None) -> bool:
+        """Whether the rule's node actions are done with for this event (and the decision may go on): starts
+        them on the event's nodes the first time, and says when they failed and the rule holds."""
+        assert self.nodes is not None, "a policy with node actions needs FleetNodes"
+        event = track.event
+        if track.acting == "":
+            if index is None:
+                return False
+            track.nodes = self.nodes.nodes_of(event, index)
+            track.acting = "acting"
+            self._say(track, event, f"rule {rule.name}: {len(rule.node)} node action(s) on "
+                      f"{', '.join(track.nodes) or 'no node of this cluster'}")
+            track.work = self.nodes.act(event, rule, track.nodes, self.dry_run)
+            return False
+        if track.acting == "acting":
+            if track.work is None or not track.work.done():
+                return False
+            track.acting = "acted" if track.work.result() else "failed"
+        if track.acting == "failed" and rule.on_failure == "hold":
+            self._say(track, event, f"rule {rule.name}: a node action failed or was skipped; holding")
+            return False
+        return True
 
     def _within_cap(self, batch: list[tuple[FleetEvent, str]], now: float) -> list[tuple[FleetEvent, str]]:
         cap = self.policy.max_approvals_per_hour

@@ -34,6 +34,7 @@ from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
 from forewarn.imds.document import EVENT_TYPES
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
+from forewarn.metrics.exposition import NodeMetrics
 from forewarn.outbox.store import Backlog
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
@@ -100,6 +101,10 @@ class FleetMetrics:
         self.approvals = Counter("azure_scheduled_events_approvals_total",
                                  "Approval decisions carried out through ARM's acknowledge call, by result.",
                                  ["event_type", "result"], registry=r)
+        self.nodes = NodeMetrics(r)
+        self.vms_without_node = Counter("azure_scheduled_events_fleet_vms_without_node_total",
+                                        "VMs of events with node actions that are no node of this cluster (left "
+                                        "alone).", registry=r)
         self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
                                    "Changes not announced because the previous active replica had announced them "
                                    "(the Lease's handover).", registry=r)

@@ -54,10 +54,12 @@ def key_of_vm_id(vm_resource_id: str) -> VmKey | None:
 
 
 class NodeIndex:
-    """The nodes of one cluster by the VM each runs on."""
+    """The nodes of one cluster by the VM each runs on, and what forewarn holds on each (`held`: node name ->
+    the event ids its ledger, the forewarn.io/applied annotation, has entries for)."""
 
-    def __init__(self, nodes: Iterable[tuple[str, str]]) -> None:
+    def __init__(self, nodes: Iterable[tuple[str, str]], held: dict[str, list[str]] | None = None) -> None:
         """`nodes`: (node name, providerID) pairs; nodes without an Azure providerID are left out."""
+        self.held = dict(held or {})
         self._by_vm: dict[VmKey, str] = {}
         for name, provider_id in nodes:
             key = key_of_provider_id(provider_id or "")
@@ -77,10 +79,15 @@ def load_nodes(client: Any) -> NodeIndex:
     """Every node of the cluster, through a lightkube Client (raises what the client raises)."""
     from lightkube.resources.core_v1 import Node
 
-    pairs = []
+    from forewarn.node.nodeapi import ledger_of
+
+    pairs, held = [], {}
     for node in client.list(Node):
         name = node.metadata.name if node.metadata is not None else None
         provider_id = node.spec.providerID if node.spec is not None else None
         if name and provider_id:
             pairs.append((name, provider_id))
-    return NodeIndex(pairs)
+        ledger = ledger_of(node.to_dict()) if name else {}
+        if ledger and name:
+            held[name] = sorted(ledger)
+    return NodeIndex(pairs, held)

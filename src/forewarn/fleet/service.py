@@ -76,6 +76,10 @@ class FleetCommitter:
         self._lock = threading.Lock()
         #: Digests of what the previous Lease holder announced (forewarn.fleet.handover), not announced again.
         self._inherited: set[bytes] = set()
+        #: Complete snapshots committed in this term: after one, the open events are all known (settled()).
+        self.complete_snapshots = 0
+        #: Called with the events that ended, after each commit (the approver undoes their node actions).
+        self.on_ended: Callable[[list[FleetEvent]], None] = lambda events: None
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
@@ -123,14 +127,21 @@ class FleetCommitter:
             self._commit(changes, now)
             if complete:  # what the predecessor announced and is not open now has ended: no longer needed
                 self._inherited.clear()
+                self.complete_snapshots += 1
             return changes
 
     # --- the Lease's handover (forewarn.fleet.handover) ---------------------------------------------------
+    def settled(self) -> bool:
+        """Whether a complete Resource Graph snapshot was committed in this term: then the open events are all
+        known, and what a node holds for any other event is over."""
+        return self.complete_snapshots > 0
+
     def inherit(self, annotation: str | None) -> None:
         """At the start of a term: what the previous holder announced, from the Lease it left."""
         inherited = handover.decode(annotation)
         with self._lock:
             self._inherited = set(inherited)
+            self.complete_snapshots = 0
         if inherited:
             log.info("the previous active replica announced %d open event(s); their news is not announced again",
                      len(inherited))
@@ -170,6 +181,9 @@ class FleetCommitter:
             if known:
                 self._inherited.difference_update(handover.digest(change.event) for change in known)
                 self.metrics.handed_over.inc(len(known))
+        ended = [change.event for change in changes if change.kind is ChangeKind.REMOVED]
+        if ended:
+            self.on_ended(ended)
         for change in changes:
             event = change.event.event
             log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
@@ -346,9 +360,12 @@ def run_fleet(settings: FleetSettings) -> int:
 
         acknowledger = build_acknowledger(settings, stop)
         closers.append(acknowledger.close)
-        approver = FleetApprover(policy, acknowledger, committer.open_events,
-                                 lambda records: committer.outbox.append(records), metrics.approvals,
-                                 dry_run=settings.dry_run, active=committer.active)
+        record = committer.outbox.append
+        approver = FleetApprover(policy, acknowledger, committer.open_events, record, metrics.approvals,
+                                 dry_run=settings.dry_run, active=committer.active,
+                                 nodes=build_fleet_nodes(settings, record, metrics) if policy.uses_node_actions
+                                 else None, settled=committer.settled)
+        committer.on_ended = approver.ended
         runners.append(approver)
 
     server.start()
@@ -430,6 +447,22 @@ def build_credential(settings: FleetSettings) -> Any:
     if settings.arm_client_id:
         return ManagedIdentityCredential(client_id=settings.arm_client_id)
     return DefaultAzureCredential(exclude_interactive_browser_credential=True)
+
+
+def build_fleet_nodes(settings: FleetSettings, record: Callable[[Sequence[Any]], object],
+                      metrics: FleetMetrics) -> Any:
+    """Node actions from fleet mode (a policy rule with `node`): a Kubernetes client per term, from --kubeconfig
+    or the in-cluster service account; checked now, so a missing one stops start-up."""
+    try:
+        from forewarn.fleet.nodeactions import FleetNodes
+        from forewarn.node.kube import KubeError, make_client
+    except ImportError as exc:
+        raise ConfigError(f"the policy's node actions need lightkube: pip install 'forewarn[fleet]' ({exc})") from None
+    try:
+        make_client(settings.kubeconfig).close()
+    except KubeError as exc:
+        raise ConfigError(f"the policy has node actions, which need the Kubernetes API: {exc}") from None
+    return FleetNodes(lambda stop: make_client(settings.kubeconfig, stop=stop), record, metrics)
 
 
 def build_acknowledger(settings: FleetSettings, stop: threading.Event) -> Any:

@@ -93,32 +93,10 @@ class Metrics:
             "Unix time of the last successful load of --policy (0 without a policy).", registry=r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=r)
-        self.node_actions = Counter(
-            "azure_scheduled_events_node_actions_total", "Kubernetes node actions carried out, by action and result.",
-            ["action", "result"], registry=r)
-        self.node_drains = Gauge(
-            "azure_scheduled_events_node_drains_in_progress",
-            "Drains of this Kubernetes node under way (0 or 1; sum over a cluster for the nodes draining).",
-            registry=r)
-        self.node_drain_blocked_since = Gauge(
-            "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
-            "Unix time since which a drain of this node has been blocked by a PodDisruptionBudget; 0 when none is.",
-            registry=r)
-        self.node_drain_pods = Counter(
-            "azure_scheduled_events_node_drain_pods_total",
-            "Pods removed by drains of this node: evicted (Eviction API) or deleted at the deadline (at_deadline: "
-            "delete).", ["outcome"], registry=r)
-        for outcome in DRAIN_POD_OUTCOMES:
-            self.node_drain_pods.labels(outcome)
-        self.node_drain_records = Counter(
-            "azure_scheduled_events_node_drain_reports_total",
-            "Drain lifecycle records written, by phase (started, blocked, deleted, done, failed).", ["phase"],
-            registry=r)
-        for phase in ("started", "blocked", "deleted", "done", "failed"):
-            self.node_drain_records.labels(phase)
-        for action in NODE_ACTIONS:
-            for result in NODE_ACTION_RESULTS:
-                self.node_actions.labels(action, result)
+        nodes = NodeMetrics(r)
+        self.node_actions, self.node_drains = nodes.node_actions, nodes.node_drains
+        self.node_drain_blocked_since, self.node_drain_pods = nodes.node_drain_blocked_since, nodes.node_drain_pods
+        self.node_drain_records = nodes.node_drain_records
         for hook in ("prepare", "recover"):
             for result in HOOK_RESULTS:
                 self.hook_runs.labels(hook, result)
@@ -151,6 +129,40 @@ class Metrics:
         self.records.labels(name)
         self.record_failures.labels(name)
         self.views.backlog(name, Backlog(records=0, oldest_created=None))
+
+
+
+class NodeMetrics:
+    """The families of Kubernetes node actions, the same in both modes (the per-VM agent acts on its own node,
+    fleet mode on the nodes of the VMs its events hit)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.node_actions = Counter(
+            "azure_scheduled_events_node_actions_total",
+            "Kubernetes node actions carried out, by action and result.", ["action", "result"], registry=registry)
+        self.node_drains = Gauge(
+            "azure_scheduled_events_node_drains_in_progress",
+            "Drains of this Kubernetes node under way (0 or 1; sum over a cluster for the nodes draining).",
+            registry=registry)
+        self.node_drain_blocked_since = Gauge(
+            "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
+            "Unix time since which a drain of this node has been blocked by a PodDisruptionBudget; 0 when none is.",
+            registry=registry)
+        self.node_drain_pods = Counter(
+            "azure_scheduled_events_node_drain_pods_total",
+            "Pods removed by drains of this node: evicted (Eviction API) or deleted at the deadline (at_deadline: "
+            "delete).", ["outcome"], registry=registry)
+        for outcome in DRAIN_POD_OUTCOMES:
+            self.node_drain_pods.labels(outcome)
+        self.node_drain_records = Counter(
+            "azure_scheduled_events_node_drain_reports_total",
+            "Drain lifecycle records written, by phase (started, blocked, deleted, done, failed).", ["phase"],
+            registry=registry)
+        for phase in ("started", "blocked", "deleted", "done", "failed"):
+            self.node_drain_records.labels(phase)
+        for action in NODE_ACTIONS:
+            for result in NODE_ACTION_RESULTS:
+                self.node_actions.labels(action, result)
 
 
 class SharedRendering:

@@ -1,0 +1,188 @@
+"""Node actions from fleet mode: a rule's cordon, taint, label, condition, event and drain, on the AKS nodes of
+the VMs an event acts on, from the one active replica.
+
+Each VM the event names becomes its node through `spec.providerID` (forewarn.fleet.nodes); a VM that is no
+node of this cluster is counted and left alone. On each node the per-VM agent's own `KubeNodeActor` does the
+work, with everything it does there: the node's ledger (the `forewarn.io/applied` annotation) that makes a
+second run pick up where the first stopped, drains through the Eviction API in priority tiers with the grace
+clamped to NotBefore, the cluster-wide cap on nodes draining at once (drain Leases), the
+`forewarn.io/node-actions: disabled` opt-out, and undo of only what forewarn applied. Every outcome and every
+step of a drain is a record through the outbox, as in the per-VM agent, naming the node and the VM.
+
+What is applied is undone when the event ends. A replica that takes over (or restarts) reads the ledgers of
+all nodes at the start of its term and every `refresh` seconds: what a node holds for an event that is no
+longer open is undone, so no node stays cordoned by forewarn after its event, whichever replica applied it;
+what it holds for an open event is resumed by acting again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+from forewarn.approval.actor import ActionOutcome, DrainProgress
+from forewarn.approval.policy import Rule
+from forewarn.fleet.feed import FleetEvent, vm_ids
+from forewarn.fleet.nodes import NodeIndex, load_nodes
+from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
+from forewarn.imds.document import Event
+from forewarn.imds.instance import VmInfo
+from forewarn.records import Record, drain_record, node_action_record
+
+log = logging.getLogger(__name__)
+
+#: Seconds between reads of the cluster's nodes (new nodes, and ledgers left by an earlier term).
+DEFAULT_REFRESH = 30.0
+
+
+class FleetNodes:
+    """The Kubernetes side of the fleet approver. `make_client(stop)` gives a lightkube client whose requests
+    end at `stop` (forewarn.node.kube.make_client); `record` commits records; `metrics` is FleetMetrics."""
+
+    def __init__(self, make_client: Callable[[threading.Event], Any], record: Callable[[Sequence[Record]], object],
+                 metrics: Any, clock: Callable[[], float] = time.time, refresh: float = DEFAULT_REFRESH,
+                 workers: int = 8, poll: float = 1.0) -> None:
+        self.make_client = make_client
+        self.record = record
+        self.metrics = metrics
+        self.clock = clock
+        self.refresh = refresh
+        self.workers = workers
+        self.poll = poll
+        self._client: Any = None
+        self._stop = threading.Event()
+        self._pool: ThreadPoolExecutor | None = None
+        self._index: NodeIndex | None = None
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+        self._draining: dict[str, int] = {}
+        self._blocked: dict[str, float] = {}
+
+    # --- a term -------------------------------------------------------------------------------------------
+    def begin(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._client = self.make_client(stop)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="fleet-node")
+        self._index, self._read_at = None, 0.0
+
+    def end(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()
+        self._pool, self._client = None, None
+
+    def index(self) -> tuple[NodeIndex, bool]:
+        """The cluster's nodes, read again when `refresh` seconds old, and whether they were read just now (so
+        their ledgers are worth reconciling). Raises what the client raises."""
+        now = self.clock()
+        if self._index is None or now - self._read_at >= self.refresh:
+            self._index, self._read_at = load_nodes(self._client), now
+            return self._index, True
+        return self._index, False
+
+    # --- acting and undoing -------------------------------------------------------------------------------
+    def nodes_of(self, event: FleetEvent, index: NodeIndex) -> dict[str, str]:
+        """Node name -> VM ID for the VMs of `event` that are nodes here; the others are counted."""
+        nodes: dict[str, str] = {}
+        for vm in vm_ids(event):
+            node = index.node_of(vm)
+            if node is None:
+                self.metrics.vms_without_node.inc()
+            else:
+                nodes[node] = vm
+        return nodes
+
+    def act(self, event: FleetEvent, rule: Rule, nodes: Mapping[str, str], dry_run: bool) -> Future[bool]:
+        """Run `rule`'s node actions on each of `nodes` (at once, one thread each); the future is True when
+        every node's actions succeeded."""
+        assert self._pool is not None
+        pool = self._pool
+        parts = [pool.submit(self._act_one, event, rule, node, vm, dry_run) for node, vm in nodes.items()]
+
+        def all_of() -> bool:
+            return all([part.result() for part in parts])   # every part waited for, none cut short
+        return pool.submit(all_of) if parts else _done(True)
+
+    def undo(self, event: Event, nodes: Mapping[str, str], dry_run: bool, fleet_event: FleetEvent | None) -> None:
+        """Take back what was applied for `event` on each of `nodes` (node -> VM ID, or node -> "" when the VM is
+        not known), on the pool."""
+        if self._pool is None:
+            return
+        for node, vm in nodes.items():
+            self._pool.submit(self._undo_one, event, node, vm, dry_run, fleet_event)
+
+    def _actor(self, node: str) -> Any:
+        from forewarn.node.actions import KubeNodeActor
+
+        return KubeNodeActor(self._client, node, poll=self.poll, stopping=self._stop,
+                             draining=lambda count: self._count(self._draining, node, count),
+                             blocked=lambda since: self._count(self._blocked, node, since))
+
+    def _act_one(self, event: FleetEvent, rule: Rule, node: str, vm: str, dry_run: bool) -> bool:
+        try:
+            return bool(self._actor(node).act(rule.node, event.event, dry_run,
+                                              self._reporter(event.event, self._vm(event, vm, node), node, rule.name)))
+        except Exception:  # a bug must not leave the event acting forever: it counts as a failed action
+            log.exception("node actions for event %s on node %s failed unexpectedly", event.event.event_id, node)
+            return False
+
+    def _undo_one(self, event: Event, node: str, vm: str, dry_run: bool, fleet_event: FleetEvent | None) -> None:
+        try:
+            self._actor(node).undo(event.event_id, dry_run,
+                                   self._reporter(event, self._vm(fleet_event, vm, node), node, None))
+        except Exception:
+            log.exception("undoing the node actions of event %s on node %s failed unexpectedly", event.event_id,
+                          node)
+
+    @staticmethod
+    def _vm(event: FleetEvent | None, vm: str, node: str) -> VmInfo:
+        return fleet_vm(event, vm) if event is not None and vm else VmInfo(name=node)
+
+    def _reporter(self, event: Event, vm: VmInfo, node: str,
+                  rule: str | None) -> Callable[[ActionOutcome | DrainProgress], None]:
+        def report(outcome: ActionOutcome | DrainProgress) -> None:
+            at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+            nodes = self.metrics.nodes
+            if isinstance(outcome, DrainProgress):
+                nodes.node_drain_records.labels(outcome.phase).inc()
+                if outcome.phase == "deleted":
+                    nodes.node_drain_pods.labels("deleted").inc()
+                elif outcome.phase in ("done", "failed"):
+                    nodes.node_drain_pods.labels("evicted").inc(int(outcome.facts.get("evicted_count", 0)))
+                self.record([drain_record(event, vm, node, rule, outcome.phase, outcome.detail, outcome.facts,
+                                          outcome.key, FLEET_INCARNATION, at)])
+                return
+            nodes.node_actions.labels(outcome.action, outcome.result).inc()
+            self.record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
+                                            FLEET_INCARNATION, at)])
+        return report
+
+    def _count(self, table: dict[str, Any], node: str, value: float) -> None:
+        """The gauges over every node: drains under way (a sum), blocked since (the earliest)."""
+        with self._lock:
+            if value:
+                table[node] = value
+            else:
+                table.pop(node, None)
+            drains = sum(self._draining.values())
+            blocked = min(self._blocked.values(), default=0.0)
+        self.metrics.nodes.node_drains.set(drains)
+        self.metrics.nodes.node_drain_blocked_since.set(blocked)
+
+
+def left_over(event_id: str) -> Event:
+    """An event a node still holds something for, known by its id only (it is no longer open)."""
+    return Event(event_id=event_id, event_type="", status="", resource_type="", resources=(), not_before=None,
+                 raw={"EventId": event_id, "EventType": "", "EventStatus": ""})
+
+
+def _done(value: bool) -> Future[bool]:
+    future: Future[bool] = Future()
+    future.set_result(value)
+    return future

@@ -1,0 +1,177 @@
+"""Node actions from fleet mode (forewarn.fleet.nodeactions, through FleetApprover): each VM of a scale-set event
+becomes its AKS node by providerID, the rule's cordon and drain run there with the real lightkube client against
+the strict API stand-in (RBAC: the node-actions ClusterRole plus listing nodes), the approval goes through the
+real Acknowledger to the ARM stand-in only after the nodes are drained, and what was applied is undone when the
+event ends, also by a replica that did not apply it."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from azure.core.credentials import AccessToken
+
+from forewarn.approval.policy import parse_policy
+from forewarn.fleet.acknowledge import Acknowledger
+from forewarn.fleet.approval import FleetApprover
+from forewarn.fleet.feed import FleetEvent
+from forewarn.fleet.metrics import FleetMetrics
+from forewarn.fleet.nodeactions import FleetNodes
+from forewarn.imds.document import Event
+from forewarn.node.actions import APPLIED
+from forewarn.node.kube import make_client
+from forewarn.records import Record
+
+from conftest import wait_until
+from peers.arm import ArmPeer
+from peers.kube_api import KubeApi
+from peers.pki import Authority
+
+ROOT = Path(__file__).parent.parent
+NODE_ROLE = ROOT / "deploy" / "kubernetes" / "components" / "node-actions" / "clusterrole.yaml"
+SUB = str(uuid.UUID(int=21))
+POOL = (f"/subscriptions/{SUB}/resourceGroups/MC_rg-aks_cluster_westeurope/providers/Microsoft.Compute/"
+        "virtualMachineScaleSets/aks-pool-vmss")
+POLICY = """
+rules:
+  - name: pool-reboots
+    action: approve
+    match: {event_type: [Reboot], scale_set: ["aks-pool-*"]}
+    node: [cordon, {drain: {timeout: 60, margin: 1}}]
+"""
+
+
+class FixedToken:
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        return AccessToken("ack-token", 2_000_000_000)
+
+
+def scale_set_event(n: int, resources: tuple[str, ...]) -> FleetEvent:
+    event_id = str(uuid.UUID(int=80_000 + n))
+    not_before = datetime.now(timezone.utc) + timedelta(minutes=10)
+    raw = {"EventId": event_id, "EventType": "Reboot", "EventStatus": "Scheduled", "ResourceType": "VirtualMachine",
+           "Resources": list(resources), "NotBefore": not_before.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+           "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
+    event = Event(event_id, "Reboot", "Scheduled", "VirtualMachine", resources, not_before, "", "Platform", -1, raw=raw)
+    # ARM IDs give the node resource group in lower case, providerIDs as MC_ (AKS does both)
+    return FleetEvent(POOL.replace("MC_rg", "mc_rg"), SUB, "mc_rg-aks_cluster_westeurope", event, "resourcegraph")
+
+
+@pytest.fixture
+def arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ArmPeer]:
+    authority = Authority("fleet-nodes-ca")
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(authority.pem)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bundle))
+    peer = ArmPeer(authority, token="ack-token")
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[KubeApi]:
+    role = yaml.safe_load(NODE_ROLE.read_text())
+    role["rules"].append({"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]})  # the fleet's own need
+    (tmp_path / "role.yaml").write_text(yaml.safe_dump(role))
+    with KubeApi(cluster_role=tmp_path / "role.yaml", namespaces=["forewarn", "shop"]) as server:
+        for instance in (0, 1):
+            server.add_node(f"aks-pool-vmss00000{instance}", provider_id=f"azure://{POOL}/virtualMachines/{instance}")
+        server.add_pod("shop", "web-0", "aks-pool-vmss000000", owner_kind="ReplicaSet")
+        server.add_pod("shop", "web-1", "aks-pool-vmss000001", owner_kind="ReplicaSet")
+        server.add_pod("kube-system", "proxy-0", "aks-pool-vmss000000", owner_kind="DaemonSet")
+        yield server
+
+
+class Replica:
+    """One active replica's approver, running on its own thread as in a term."""
+
+    def __init__(self, api: KubeApi, arm: ArmPeer, tmp_path: Path, name: str, events: list[FleetEvent],
+                 settled: bool = True) -> None:
+        kubeconfig = str(api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn"))
+        self.records: list[Record] = []
+        self.metrics = FleetMetrics(["resourcegraph"])
+        self.events = events
+        nodes = FleetNodes(lambda stop: make_client(kubeconfig, stop=stop), self.records.extend, self.metrics,
+                           refresh=0.5, poll=0.05)
+        self.approver = FleetApprover(parse_policy(POLICY, fleet=True), Acknowledger(arm.base, FixedToken()),
+                                      lambda: list(self.events), self.records.extend, self.metrics.approvals,
+                                      tick=0.05, nodes=nodes, settled=lambda: self.settled)
+        self.settled = settled
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.approver.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+    def kinds(self) -> list[tuple[str, str, str]]:
+        return [(r.data["node"], r.data.get("action") or r.data.get("phase", ""), r.data.get("result", ""))
+                for r in list(self.records) if r.data["change"] in ("node_action", "drain")]
+
+
+def test_the_event_s_nodes_are_drained_before_its_one_approval_and_released_when_it_ends(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    event = scale_set_event(1, ("aks-pool-vmss_0", "aks-pool-vmss_1", "aks-pool-vmss_7"))  # _7: not in this cluster
+    arm.rows = [{"id": f"{POOL}/providers/Microsoft.Maintenance/scheduledevents/{event.event.event_id}",
+                 "name": event.event.event_id, "subscriptionId": SUB}]
+    replica = Replica(api, arm, tmp_path, "a", [event])
+    try:
+        wait_until(lambda: len(arm.received.acks) == 1, timeout=30, message="the approval")
+        # by the time of the approval, both nodes were cordoned and drained (DaemonSet pods stay)
+        for node in ("aks-pool-vmss000000", "aks-pool-vmss000001"):
+            assert api.node(node)["spec"].get("unschedulable") is True
+            assert ("cordon" in [a for n, a, _ in replica.kinds() if n == node])
+        assert sorted(pod["metadata"]["name"] for pod in api.pods()) == ["proxy-0"]
+        assert replica.metrics.vms_without_node._value.get() == 1
+        approved = [r for r in replica.records if r.data["change"] == "approved"]
+        assert len(approved) == 3 and {r.data["policy_rule"] for r in approved} == {"pool-reboots"}
+        time.sleep(0.5)
+        assert len(arm.received.acks) == 1, "approved once"
+        replica.events.clear()                                   # the event ended
+        wait_until(lambda: not any(api.node(n)["spec"].get("unschedulable")
+                                   for n in ("aks-pool-vmss000000", "aks-pool-vmss000001")), timeout=20,
+                   message="both nodes uncordoned")
+        assert all(APPLIED not in (api.node(n)["metadata"].get("annotations") or {})
+                   for n in ("aks-pool-vmss000000", "aks-pool-vmss000001"))
+    finally:
+        replica.end()
+
+
+def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_once_it_knows_the_event_is_over(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    """The first replica cordons and drains a node and dies before the event ends. Its successor, before its
+    first complete snapshot, does not know which events are open, so it undoes nothing; the event's end (news
+    from a feed) or, after a complete snapshot, the node's ledger naming an event no longer open, is what
+    makes it undo."""
+    events = [scale_set_event(2, ("aks-pool-vmss_0",)), scale_set_event(3, ("aks-pool-vmss_1",))]
+    arm.rows = [{"id": f"{POOL}/providers/Microsoft.Maintenance/scheduledevents/{e.event.event_id}",
+                 "name": e.event.event_id, "subscriptionId": SUB} for e in events]
+    first = Replica(api, arm, tmp_path, "a", list(events))
+    wait_until(lambda: len(arm.received.acks) == 2, timeout=30, message="the first replica's approvals")
+    first.end()                                                  # gone without undoing anything
+    cordoned = ("aks-pool-vmss000000", "aks-pool-vmss000001")
+    assert all(api.node(node)["spec"].get("unschedulable") is True for node in cordoned)
+    second = Replica(api, arm, tmp_path, "b", [], settled=False)  # its tracker knows no event yet
+    try:
+        time.sleep(1.5)                                          # three refreshes of the nodes
+        assert all(api.node(node)["spec"].get("unschedulable") is True for node in cordoned), "undone too early"
+        second.approver.ended([events[0]])                       # a feed says the first event is over
+        wait_until(lambda: not api.node("aks-pool-vmss000000")["spec"].get("unschedulable"), timeout=20,
+                   message="the undo of the event that ended")
+        assert api.node("aks-pool-vmss000001")["spec"].get("unschedulable") is True
+        second.settled = True                                    # a complete snapshot: the other is over too
+        wait_until(lambda: not api.node("aks-pool-vmss000001")["spec"].get("unschedulable"), timeout=20,
+                   message="the undo of what the ledger holds for an event no longer open")
+        assert ("aks-pool-vmss000000", "undo", "ok") in second.kinds()
+        assert all(APPLIED not in (api.node(node)["metadata"].get("annotations") or {}) for node in cordoned)
+        assert len(arm.received.acks) == 2
+    finally:
+        second.end()
