@@ -158,6 +158,28 @@ def test_a_fleet_policy_is_mounted_checked_and_resolved(tmp_path: Path) -> None:
     assert not [d for d in existing if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-fleet-policy")]
 
 
+def test_node_actions_rbac_is_off_by_default_and_the_same_in_helm_and_kustomize() -> None:
+    """fleet.nodeActions.enabled: the cluster-wide role the fleet's node actions need, bound to its service
+    account, with the rules of the kustomize component (tests/test_fleet_nodeactions.py runs the actions
+    against the stand-in with that component's role)."""
+    assert not [d for d in render(FLEET) if d["kind"].startswith("Cluster")]
+    values = fleet(fleet={"nodeActions": {"enabled": True}})
+    lint_and_validate(values)
+    docs = render(values)
+    component = ROOT / "deploy" / "kubernetes" / "components" / "fleet-node-actions"
+    shipped = yaml.safe_load((component / "clusterrole.yaml").read_text())
+    assert one(docs, "ClusterRole")["rules"] == shipped["rules"]
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": one(docs, "ServiceAccount")["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    kustomized = yaml.safe_load((component / "clusterrolebinding.yaml").read_text())
+    overlay_account = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "overlays" / "fleet" /
+                                      "serviceaccount.yaml").read_text())["metadata"]
+    assert kustomized["subjects"] == [{"kind": "ServiceAccount", "name": overlay_account["name"],
+                                       "namespace": "forewarn"}]
+
+
 def test_the_pod_is_locked_down_with_workload_identity_and_probes() -> None:
     docs = render(FLEET)
     deployment = one(docs, "Deployment")

@@ -1,8 +1,8 @@
 """Node actions from fleet mode (forewarn.fleet.nodeactions, through FleetApprover): each VM of a scale-set event
 becomes its AKS node by providerID, the rule's cordon and drain run there with the real lightkube client against
-the strict API stand-in (RBAC: the node-actions ClusterRole plus listing nodes), the approval goes through the
-real Acknowledger to the ARM stand-in only after the nodes are drained, and what was applied is undone when the
-event ends, also by a replica that did not apply it."""
+the strict API stand-in (RBAC: the ClusterRole of deploy/kubernetes/components/fleet-node-actions), the approval
+goes through the real Acknowledger to the ARM stand-in only after the nodes are drained, and what was applied is
+undone when the event ends, also by a replica that did not apply it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from azure.core.credentials import AccessToken
 
 from forewarn.approval.policy import parse_policy
@@ -35,7 +34,7 @@ from peers.kube_api import KubeApi
 from peers.pki import Authority
 
 ROOT = Path(__file__).parent.parent
-NODE_ROLE = ROOT / "deploy" / "kubernetes" / "components" / "node-actions" / "clusterrole.yaml"
+FLEET_NODE_ROLE = ROOT / "deploy" / "kubernetes" / "components" / "fleet-node-actions" / "clusterrole.yaml"
 SUB = str(uuid.UUID(int=21))
 POOL = (f"/subscriptions/{SUB}/resourceGroups/MC_rg-aks_cluster_westeurope/providers/Microsoft.Compute/"
         "virtualMachineScaleSets/aks-pool-vmss")
@@ -77,10 +76,7 @@ def arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ArmPeer]:
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[KubeApi]:
-    role = yaml.safe_load(NODE_ROLE.read_text())
-    role["rules"].append({"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]})  # the fleet's own need
-    (tmp_path / "role.yaml").write_text(yaml.safe_dump(role))
-    with KubeApi(cluster_role=tmp_path / "role.yaml", namespaces=["forewarn", "shop"]) as server:
+    with KubeApi(cluster_role=FLEET_NODE_ROLE, namespaces=["forewarn", "shop"]) as server:  # the shipped RBAC
         for instance in (0, 1):
             server.add_node(f"aks-pool-vmss00000{instance}", provider_id=f"azure://{POOL}/virtualMachines/{instance}")
         server.add_pod("shop", "web-0", "aks-pool-vmss000000", owner_kind="ReplicaSet")
