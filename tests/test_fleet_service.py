@@ -404,3 +404,68 @@ def test_a_queued_event_is_recorded_then_acknowledged_once_by_policy_through_arm
         jsonschema.validate(record, SCHEMA)
     assert 'azure_scheduled_events_approvals_total{event_type="Reboot",result="approved"} 1.0' in text
     assert 'azure_scheduled_events_approvals_total{event_type="Freeze",result="approved"} 0.0' in text
+
+
+def test_end_to_end_a_queued_scale_set_event_drains_its_nodes_is_acknowledged_and_released_when_completed(
+        tmp_path: Path, authority: Authority, azurite: Azurite) -> None:
+    """The whole flow from one place: an Event Grid message in the queue -> its record -> the policy's node
+    actions on the two AKS nodes of the event's VMs (found by providerID; the third VM is no node here) -> one
+    acknowledge call through ARM -> the event's Completed, by the queue -> both nodes released."""
+    from datetime import datetime, timedelta, timezone
+
+    from forewarn.imds.document import format_not_before
+
+    from peers.kube_api import KubeApi
+
+    group, pool = "MC_rg-aks_cluster_westeurope", "aks-pool-vmss"
+    target = target_id("vmss", pool, sub=SUBS[0], rg=group.lower())            # ARM IDs: the group in lower case
+    provider = f"azure://{target_id('vmss', pool, sub=SUBS[0], rg=group)}"      # providerIDs: as MC_...
+    not_before = format_not_before(datetime.now(timezone.utc) + timedelta(minutes=10))
+    resources = (f"{pool}_0", f"{pool}_1", f"{pool}_9")
+
+    def message(status: str, delivery: str) -> str:
+        props = properties(event_id=eid(700), status=status, resources=resources,
+                           not_before=not_before if status == "Scheduled" else "")
+        return json.dumps(event_grid_event(props, target, delivery))
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  - name: pool\n    action: approve\n    match: {scale_set: [aks-pool-*]}\n"
+                      "    node: [cordon, {drain: {timeout: 60, margin: 1}}]\n")
+    arm = ArmPeer(authority, rows=[{"id": f"{target}/providers/Microsoft.Maintenance/scheduledevents/{eid(700)}",
+                                    "name": eid(700), "subscriptionId": SUBS[0]}])
+    queue = azurite.queue()
+    role = ROOT / "deploy" / "kubernetes" / "components" / "fleet-node-actions" / "clusterrole.yaml"
+    nodes = (f"{pool}000000", f"{pool}000001")
+    with KubeApi(cluster_role=role, namespaces=["forewarn", "shop"]) as api:
+        for instance, node in enumerate(nodes):
+            api.add_node(node, provider_id=f"{provider}/virtualMachines/{instance}")
+            api.add_pod("shop", f"web-{instance}", node, owner_kind="ReplicaSet")
+        kubeconfig = api.kubeconfig(tmp_path / "kubeconfig", namespace="forewarn")
+        fleet = Fleet(tmp_path, arm, authority, azurite, queue.queue_name, resource_graph=False,
+                      extra=("--policy", str(policy), "--kubeconfig", str(kubeconfig), "--arm-endpoint", arm.base,
+                             "--arm-client-id", CLIENT_ID),
+                      env={"AZURE_POD_IDENTITY_AUTHORITY_HOST": arm.base}).start()
+        try:
+            queue.send_message(message("Scheduled", "m-1"))
+            wait_until(lambda: len(arm.received.acks) == 1, timeout=60, message="the acknowledgement")
+            cordoned = [api.node(node)["spec"].get("unschedulable") for node in nodes]
+            pods_left = [pod["metadata"]["name"] for pod in api.pods()]
+            queue.send_message(message("Completed", "m-2"))
+            wait_until(lambda: not any(api.node(node)["spec"].get("unschedulable") for node in nodes), timeout=30,
+                       message="both nodes released after Completed")
+            text = fleet.metrics() or ""
+            records = fleet.records()
+        finally:
+            assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+            arm.stop()
+    assert cordoned == [True, True] and pods_left == [], "drained before the approval"
+    assert arm.received.acks == [(target.lower(), eid(700), "single", "2025-10-01-preview")]
+    changes_seen = [(r["data"]["change"], r["data"]["vm"]["name"]) for r in records
+                    if r["data"]["change"] in ("added", "approved", "removed")]
+    assert changes_seen.count(("approved", f"{pool}_0")) == 1 and len(changes_seen) == 9  # 3 VMs x 3 changes
+    actions = sorted((r["data"]["node"], r["data"]["action"], r["data"]["result"]) for r in records
+                     if r["data"]["change"] == "node_action")
+    assert actions == sorted([(node, action, "ok") for node in nodes for action in ("cordon", "drain", "undo")])
+    for record in records:
+        jsonschema.validate(record, SCHEMA)
+    assert "azure_scheduled_events_fleet_vms_without_node_total 1.0" in text
