@@ -89,14 +89,14 @@ class Replica:
     """One active replica's approver, running on its own thread as in a term."""
 
     def __init__(self, api: KubeApi, arm: ArmPeer, tmp_path: Path, name: str, events: list[FleetEvent],
-                 settled: bool = True) -> None:
+                 settled: bool = True, policy: str = POLICY) -> None:
         kubeconfig = str(api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn"))
         self.records: list[Record] = []
         self.metrics = FleetMetrics(["resourcegraph"])
         self.events = events
         nodes = FleetNodes(lambda stop: make_client(kubeconfig, stop=stop), self.records.extend, self.metrics,
                            refresh=0.5, poll=0.05)
-        self.approver = FleetApprover(parse_policy(POLICY, fleet=True), Acknowledger(arm.base, FixedToken()),
+        self.approver = FleetApprover(parse_policy(policy, fleet=True), Acknowledger(arm.base, FixedToken()),
                                       lambda: list(self.events), self.records.extend, self.metrics.approvals,
                                       tick=0.05, nodes=nodes, settled=lambda: self.settled)
         self.settled = settled
@@ -127,7 +127,8 @@ def test_the_event_s_nodes_are_drained_before_its_one_approval_and_released_when
             assert ("cordon" in [a for n, a, _ in replica.kinds() if n == node])
         assert sorted(pod["metadata"]["name"] for pod in api.pods()) == ["proxy-0"]
         assert replica.metrics.vms_without_node._value.get() == 1
-        approved = [r for r in replica.records if r.data["change"] == "approved"]
+        approved = wait_until(lambda: [r for r in list(replica.records) if r.data["change"] == "approved"],
+                              timeout=10, message="the approved records (written after the call)")
         assert len(approved) == 3 and {r.data["policy_rule"] for r in approved} == {"pool-reboots"}
         time.sleep(0.5)
         assert len(arm.received.acks) == 1, "approved once"
@@ -159,7 +160,7 @@ def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_once_it_know
     try:
         time.sleep(1.5)                                          # three refreshes of the nodes
         assert all(api.node(node)["spec"].get("unschedulable") is True for node in cordoned), "undone too early"
-        second.approver.ended([events[0]])                       # a feed says the first event is over
+        second.approver.ended([completed(events[0])])            # a feed says the first event is over
         wait_until(lambda: not api.node("aks-pool-vmss000000")["spec"].get("unschedulable"), timeout=20,
                    message="the undo of the event that ended")
         assert api.node("aks-pool-vmss000001")["spec"].get("unschedulable") is True
@@ -171,3 +172,96 @@ def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_once_it_know
         assert len(arm.received.acks) == 2
     finally:
         second.end()
+
+
+GONE_POLICY = """
+rules:
+  - name: spot
+    action: hold
+    match: {event_type: [Preempt]}
+    node: [cordon]
+    after_eviction: {mode}
+"""
+
+
+def preempt_event(n: int, resources: tuple[str, ...]) -> FleetEvent:
+    from dataclasses import replace
+
+    event = scale_set_event(n, resources)
+    raw = {**event.event.raw, "EventType": "Preempt"}
+    return replace(event, event=replace(event.event, event_type="Preempt", raw=raw))
+
+
+def completed(event: FleetEvent) -> Any:
+    from dataclasses import replace
+
+    from forewarn.fleet.tracker import EndedBy, FleetChange
+    from forewarn.tracker import ChangeKind, Outcome
+
+    done = replace(event, event=replace(event.event, status="Completed", not_before=None,
+                                        raw={**event.event.raw, "EventStatus": "Completed", "NotBefore": ""}))
+    return FleetChange(ChangeKind.REMOVED, done, event, Outcome.COMPLETED, EndedBy.STATUS)
+
+
+def not_ready(api: KubeApi, node: str, ready: str = "False") -> None:
+    def change(obj: dict[str, Any]) -> None:
+        for condition in obj["status"]["conditions"]:
+            if condition["type"] == "Ready":
+                condition["status"] = ready
+    api.update_node(node, change)
+
+
+def test_after_a_spot_eviction_the_gone_node_is_taken_out_of_service_until_it_is_ready_again(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    """after_eviction: out_of_service, once the Preempt completed: the node that is not Ready gets the
+    out-of-service taint (and forewarn's mark), the one that is Ready is left alone and says so; when the
+    tainted node is Ready again, forewarn takes its own taint off. Nothing is acknowledged (a hold rule)."""
+    event = preempt_event(5, ("aks-pool-vmss_0", "aks-pool-vmss_1"))
+    replica = Replica(api, arm, tmp_path, "a", [event], policy=GONE_POLICY.replace("{mode}", "out_of_service"))
+    gone, alive = "aks-pool-vmss000000", "aks-pool-vmss000001"
+    try:
+        wait_until(lambda: all(api.node(n)["spec"].get("unschedulable") for n in (gone, alive)), timeout=20,
+                   message="both nodes cordoned")
+        not_ready(api, gone)                                     # the VM was evicted
+        replica.events.clear()
+        replica.approver.ended([completed(event)])
+        wait_until(lambda: any(t["key"] == "node.kubernetes.io/out-of-service"
+                               for t in api.node(gone)["spec"].get("taints") or []), timeout=20,
+                   message="the out-of-service taint on the gone node")
+        assert api.node(gone)["metadata"]["annotations"]["forewarn.io/out-of-service"] == event.event.event_id
+        wait_until(lambda: ("aks-pool-vmss000001", "out_of_service", "skipped") in replica.kinds(), timeout=10,
+                   message="the Ready node left alone")
+        assert not any(t["key"] == "node.kubernetes.io/out-of-service" for t in api.node(alive)["spec"].get("taints")
+                       or [])
+        not_ready(api, gone, "True")                             # a new VM under the same node, say
+        wait_until(lambda: not any(t["key"] == "node.kubernetes.io/out-of-service"
+                                   for t in api.node(gone)["spec"].get("taints") or []), timeout=20,
+                   message="forewarn's taint off the node that is Ready again")
+        assert "forewarn.io/out-of-service" not in (api.node(gone)["metadata"].get("annotations") or {})
+        assert arm.received.ack_statuses == []
+    finally:
+        replica.end()
+
+
+def test_after_a_terminate_delete_node_deletes_only_the_node_that_is_not_ready(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    event = preempt_event(6, ("aks-pool-vmss_0", "aks-pool-vmss_1"))
+    event = replace(event, event=replace(event.event, event_type="Terminate"))
+    replica = Replica(api, arm, tmp_path, "a", [event],
+                      policy=GONE_POLICY.replace("{mode}", "delete_node").replace("Preempt", "Terminate"))
+    try:
+        wait_until(lambda: api.node("aks-pool-vmss000000")["spec"].get("unschedulable"), timeout=20,
+                   message="cordoned")
+        not_ready(api, "aks-pool-vmss000000")
+        replica.events.clear()
+        replica.approver.ended([completed(event)])
+        wait_until(lambda: ("aks-pool-vmss000000", "delete_node", "ok") in replica.kinds(), timeout=20,
+                   message="the gone node deleted")
+        with pytest.raises(KeyError):
+            api.node("aks-pool-vmss000000")
+        assert api.node("aks-pool-vmss000001")["metadata"]["name"] == "aks-pool-vmss000001"
+        assert ("aks-pool-vmss000001", "delete_node", "skipped") in replica.kinds()
+    finally:
+        replica.end()

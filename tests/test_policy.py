@@ -203,8 +203,8 @@ def test_delay_postpones_the_approval() -> None:
     ("rules:\n  - name: a\n    action: aprove\n",
      "p.yaml:3: rules[0].action: 'aprove' is not valid; valid: approve, hold"),
     ("rules:\n  - name: a\n    action: hold\n    colour: red\n",
-     "p.yaml:2: rules[0]: unknown field 'colour'; valid: action, approve_within, delay, match, name, node, "
-     "on_failure, on_hook_failure, prepare"),
+     "p.yaml:2: rules[0]: unknown field 'colour'; valid: action, after_eviction, approve_within, delay, match, "
+     "name, node, on_failure, on_hook_failure, prepare"),
     ("rules:\n  - name: a\n    action: approve\n    match:\n      event_type: [Reboots]\n",
      "p.yaml:5: rules[0].match.event_type[0]: 'Reboots' is not valid; valid: Freeze, Reboot, Redeploy, Preempt, "
      "Terminate"),

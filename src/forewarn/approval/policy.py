@@ -312,6 +312,7 @@ class Rule:
     approve_within: float | None = None
     node: tuple[NodeAction, ...] = ()
     on_failure: str = "hold"                   # when a node action fails: hold, or approve all the same
+    after_eviction: str | None = None          # fleet: out_of_service or delete_node once a Preempt/Terminate completed
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,7 @@ class Policy:
     @property
     def uses_node_actions(self) -> bool:
         """Whether any rule acts on the Kubernetes node (only then is a Kubernetes client needed)."""
-        return any(rule.node for rule in self.rules)
+        return any(rule.node or rule.after_eviction for rule in self.rules)
 
 
 @dataclass(frozen=True)
@@ -577,6 +578,9 @@ def _check_mode(data: Mapping[str, Any], fleet: bool, fail: Any) -> None:
         if fleet and "affects_this_vm" in match:
             raise fail(["rules", index, "match", "affects_this_vm"], "forewarn fleet is none of the VMs; match "
                        "them with vm, scale_set, resource_group or subscription")
+        if not fleet and "after_eviction" in rule:
+            raise fail(["rules", index, "after_eviction"], "applies only in forewarn fleet (the agent on a VM is "
+                       "gone with it)")
         for key in FLEET_KEYS:
             if not fleet and key in match:
                 raise fail(["rules", index, "match", key], "matches only in forewarn fleet (the agent on a VM "
@@ -675,6 +679,7 @@ def _compile_rule(raw: Mapping[str, Any], index: int, fail: Any, check_commands:
         node=tuple(_node_action(item, ["rules", index, "node", position], raw["name"], fail)
                    for position, item in enumerate(raw.get("node", []))),
         on_failure=raw.get("on_failure", "hold"),
+        after_eviction=raw.get("after_eviction"),
     )
 
 

@@ -27,21 +27,24 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from forewarn.approval.policy import Place, Policy, Rule, decide
+from forewarn.approval.policy import Place, Policy, Rule, decide, first_match
 from forewarn.fleet.armid import COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS, parse_arm_id
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.nodes import NodeIndex
 from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
-from forewarn.fleet.tracker import event_key
+from forewarn.fleet.tracker import FleetChange, event_key
 from forewarn.logs import StateLog
 from forewarn.records import Record, approval_record
 from forewarn.retry import Backoff
+from forewarn.tracker import Outcome
 
 if TYPE_CHECKING:
     from forewarn.fleet.nodeactions import FleetNodes
 
 log = logging.getLogger(__name__)
 
+#: The event types after which the VM is gone (Spot eviction, deletion): `after_eviction` follows them.
+GONE_TYPES = ("Preempt", "Terminate")
 #: How often the open events are looked at (delays, windows and NotBefore move with the clock).
 DEFAULT_TICK = 1.0
 
@@ -97,15 +100,16 @@ class FleetApprover:
         self._cap_said = False
         self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
         self._nodes_state = StateLog(log, "Kubernetes nodes")
-        self._ended: list[FleetEvent] = []     # events that ended, from the committer: undone on their nodes
+        self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
 
-    def ended(self, events: Sequence[FleetEvent]) -> None:
-        """Events that ended (the committer, after its commit): what nodes hold for them is undone at the next
-        tick, also when this replica never acted for them (its predecessor did)."""
+    def ended(self, changes: Sequence[FleetChange]) -> None:
+        """Events that ended (the committer's `removed` changes, after its commit): what nodes hold for them is
+        undone at the next tick, also when this replica never acted for them (its predecessor did); after a
+        Preempt or Terminate that completed, the rule's `after_eviction` is carried out."""
         if self.nodes is not None:
             with self._lock:
-                self._ended.extend(events)
+                self._ended.extend(changes)
 
     # --- the Lease's handover (forewarn.fleet.handover) -----------------------------------------------
     def inherit(self, annotation: str | None) -> None:
@@ -208,10 +212,18 @@ class FleetApprover:
         with self._lock:
             ended, self._ended = self._ended, []
         tracked = {key for key, track in self._tracks.items() if track.nodes}
-        for event in ended:   # ended while another replica had acted for them: the nodes' ledgers say where
+        for change in ended:
+            event = change.event
             holding = {node: "" for node, held in index.held.items() if event.event.event_id in held}
-            if holding and event_key(event) not in tracked:
+            if holding and event_key(event) not in tracked:   # another replica acted: the ledgers say where
                 self.nodes.undo(event.event, holding, self.dry_run, None)
+            if change.outcome is Outcome.COMPLETED and event.event.event_type in GONE_TYPES:
+                seen = change.previous or event
+                rule, _ = first_match(self.policy, seen.event, None, self.clock(), place_of(seen))
+                if rule is not None and rule.after_eviction:
+                    self.nodes.after_eviction(event, rule, self.nodes.nodes_of(event, index), self.dry_run)
+        if fresh and index.out_of_service:
+            self.nodes.back_in_service(sorted(index.out_of_service), self.dry_run)
         if fresh and self.settled():
             open_ids = {event.event.event_id for event in events.values()}
             for node, held in index.held.items():

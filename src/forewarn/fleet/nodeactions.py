@@ -117,6 +117,50 @@ class FleetNodes:
         for node, vm in nodes.items():
             self._pool.submit(self._undo_one, event, node, vm, dry_run, fleet_event)
 
+    def after_eviction(self, event: FleetEvent, rule: Rule, nodes: Mapping[str, str], dry_run: bool) -> None:
+        """`rule.after_eviction` on each of `nodes` (forewarn.fleet.gone), on the pool."""
+        if self._pool is None:
+            return
+        for node, vm in nodes.items():
+            self._pool.submit(self._gone_one, event, rule, node, vm, dry_run)
+
+    def back_in_service(self, nodes: Sequence[str], dry_run: bool) -> None:
+        """Take forewarn's out-of-service taint off those of `nodes` that are Ready again, on the pool."""
+        if self._pool is None:
+            return
+        for node in nodes:
+            self._pool.submit(self._back_one, node, dry_run)
+
+    def _gone_one(self, event: FleetEvent, rule: Rule, node: str, vm: str, dry_run: bool) -> None:
+        from forewarn.fleet.gone import GoneNode
+        from forewarn.node.kube import KubeError
+
+        action = rule.after_eviction or ""
+        report = self._reporter(event.event, self._vm(event, vm, node), node, rule.name)
+        handle = GoneNode(self._client, node, stopping=self._stop)
+        try:
+            result, detail = (handle.out_of_service(event.event.event_id, dry_run) if action == "out_of_service"
+                              else handle.delete(dry_run))
+        except KubeError as exc:
+            result, detail = "failed", str(exc)
+        (log.error if result == "failed" else log.warning)("node %s, event %s: %s", node, event.event.event_id,
+                                                            detail)
+        report(ActionOutcome(action, result, detail))
+
+    def _back_one(self, node: str, dry_run: bool) -> None:
+        from forewarn.fleet.gone import GoneNode
+        from forewarn.node.kube import KubeError
+
+        try:
+            event_id, detail = GoneNode(self._client, node, stopping=self._stop).back_in_service(dry_run)
+        except KubeError as exc:
+            log.error("node %s: taking the out-of-service taint off failed: %s", node, exc)
+            return
+        if detail:
+            log.warning("%s", detail)
+            self._reporter(left_over(event_id), VmInfo(name=node), node, None)(
+                ActionOutcome("undo", "dry_run" if dry_run else "ok", detail))
+
     def _actor(self, node: str) -> Any:
         from forewarn.node.actions import KubeNodeActor
 

@@ -57,9 +57,12 @@ class NodeIndex:
     """The nodes of one cluster by the VM each runs on, and what forewarn holds on each (`held`: node name ->
     the event ids its ledger, the forewarn.io/applied annotation, has entries for)."""
 
-    def __init__(self, nodes: Iterable[tuple[str, str]], held: dict[str, list[str]] | None = None) -> None:
-        """`nodes`: (node name, providerID) pairs; nodes without an Azure providerID are left out."""
+    def __init__(self, nodes: Iterable[tuple[str, str]], held: dict[str, list[str]] | None = None,
+                 out_of_service: Iterable[str] = ()) -> None:
+        """`nodes`: (node name, providerID) pairs; nodes without an Azure providerID are left out.
+        `out_of_service`: the nodes forewarn tainted out of service (forewarn.fleet.gone)."""
         self.held = dict(held or {})
+        self.out_of_service = frozenset(out_of_service)
         self._by_vm: dict[VmKey, str] = {}
         for name, provider_id in nodes:
             key = key_of_provider_id(provider_id or "")
@@ -79,9 +82,10 @@ def load_nodes(client: Any) -> NodeIndex:
     """Every node of the cluster, through a lightkube Client (raises what the client raises)."""
     from lightkube.resources.core_v1 import Node
 
+    from forewarn.fleet.gone import MARK
     from forewarn.node.nodeapi import ledger_of
 
-    pairs, held = [], {}
+    pairs, held, marked = [], {}, []
     for node in client.list(Node):
         name = node.metadata.name if node.metadata is not None else None
         provider_id = node.spec.providerID if node.spec is not None else None
@@ -90,4 +94,6 @@ def load_nodes(client: Any) -> NodeIndex:
         ledger = ledger_of(node.to_dict()) if name else {}
         if ledger and name:
             held[name] = sorted(ledger)
-    return NodeIndex(pairs, held)
+        if name and node.metadata is not None and MARK in (node.metadata.annotations or {}):
+            marked.append(name)
+    return NodeIndex(pairs, held, marked)

@@ -78,8 +78,8 @@ class FleetCommitter:
         self._inherited: set[bytes] = set()
         #: Complete snapshots committed in this term: after one, the open events are all known (settled()).
         self.complete_snapshots = 0
-        #: Called with the events that ended, after each commit (the approver undoes their node actions).
-        self.on_ended: Callable[[list[FleetEvent]], None] = lambda events: None
+        #: Called with the changes that ended events, after each commit (the approver undoes their node actions).
+        self.on_ended: Callable[[list[FleetChange]], None] = lambda changes: None
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
@@ -181,7 +181,7 @@ class FleetCommitter:
             if known:
                 self._inherited.difference_update(handover.digest(change.event) for change in known)
                 self.metrics.handed_over.inc(len(known))
-        ended = [change.event for change in changes if change.kind is ChangeKind.REMOVED]
+        ended = [change for change in changes if change.kind is ChangeKind.REMOVED]
         if ended:
             self.on_ended(ended)
         for change in changes:

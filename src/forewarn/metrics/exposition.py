@@ -29,7 +29,7 @@ OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")
 HOOK_RESULTS = ("success", "failure", "timeout", "error")
 #: Kubernetes node actions (the policy's, and `undo` once the event has left) and their results.
-NODE_ACTIONS = ("cordon", "taint", "label", "condition", "event", "drain", "undo")
+NODE_ACTIONS = ("cordon", "taint", "label", "condition", "event", "drain", "undo", "out_of_service", "delete_node")
 #: `skipped`: not done because the node's annotation forewarn.io/node-actions=disabled turns them off.
 NODE_ACTION_RESULTS = ("ok", "failed", "dry_run", "skipped")
 #: What became of the pods a drain removed: evicted (the Eviction API) or deleted at the deadline.
