@@ -21,6 +21,7 @@ bench: setup
 	$(PYTHON) bench/node_actions.py
 	cd bench && ../$(PYTHON) image.py
 	$(PYTHON) bench/fleet.py
+	$(PYTHON) bench/fleet_act.py
 	$(PYTHON) bench/report.py | tee bench/results/report.md
 
 # A smoke run of the same (about 15 minutes): small samples, figures not for publishing.
@@ -34,4 +35,5 @@ bench-quick: setup
 	$(PYTHON) bench/node_actions.py --quick
 	cd bench && ../$(PYTHON) image.py --settle 10 --samples 5
 	$(PYTHON) bench/fleet.py --quick
+	$(PYTHON) bench/fleet_act.py --quick
 	$(PYTHON) bench/report.py

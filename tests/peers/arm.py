@@ -107,6 +107,7 @@ class Received:
     #: (target resource ID in lower case, EventId, "single" or "list", api-version) per event acknowledged
     acks: list[tuple[str, str, str, str]] = field(default_factory=list)
     ack_statuses: list[int] = field(default_factory=list)   # the status answered to each acknowledge POST
+    ack_times: list[float] = field(default_factory=list)    # time.time() of each event acknowledged (as acks)
 
 
 def resets_after_text(seconds: float) -> str:
@@ -318,6 +319,7 @@ class ArmPeer:
                 {"error": {"code": "InternalServerError", "message": "the stand-in is failing"}}).encode()
         with self.received.lock:
             self.received.acks.extend((target, event, form, version) for event in ids)
+            self.received.ack_times.extend(time.time() for _ in ids)
         return 200, {}, json.dumps({"value": "Successfully Approved"}).encode()
 
     # --- the query route ---------------------------------------------------------------------------------

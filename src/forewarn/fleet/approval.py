@@ -99,6 +99,7 @@ class FleetApprover:
         self._backoff = Backoff(base=2.0, cap=60.0)
         self._cap_said = False
         self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
+        self._wake = threading.Event()         # set by a commit (or the stop): the next step comes at once
         self._nodes_state = StateLog(log, "Kubernetes nodes")
         self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
@@ -130,16 +131,26 @@ class FleetApprover:
             return encode({digest for digest, track in self._digests.items()
                            if track.stage in ("approved", "decided")} | self._inherited)
 
+    def wake(self) -> None:
+        """Look at the open events now rather than at the next tick (the committer, after a commit)."""
+        self._wake.set()
+
+    def _wake_at(self, stop: threading.Event) -> None:
+        stop.wait()
+        self._wake.set()
+
     def run(self, stop: threading.Event) -> None:
         if self.nodes is not None:
             self.nodes.begin(stop)
+        threading.Thread(target=self._wake_at, args=(stop,), name="approver-stop", daemon=True).start()
         try:
             while not stop.is_set():
+                self._wake.clear()
                 try:
                     self.step(stop)
                 except Exception:  # a bug must not end the approvals of the term
                     log.exception("the fleet approver failed; trying again at the next tick")
-                stop.wait(self.tick)
+                self._wake.wait(self.tick)
         finally:
             if self.nodes is not None:
                 self.nodes.end()

@@ -80,6 +80,8 @@ class FleetCommitter:
         self.complete_snapshots = 0
         #: Called with the changes that ended events, after each commit (the approver undoes their node actions).
         self.on_ended: Callable[[list[FleetChange]], None] = lambda changes: None
+        #: Called after each commit that changed something (the approver looks at once).
+        self.on_committed: Callable[[], None] = lambda: None
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
@@ -184,6 +186,7 @@ class FleetCommitter:
         ended = [change for change in changes if change.kind is ChangeKind.REMOVED]
         if ended:
             self.on_ended(ended)
+        self.on_committed()
         for change in changes:
             event = change.event.event
             log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
@@ -365,7 +368,7 @@ def run_fleet(settings: FleetSettings) -> int:
                                  dry_run=settings.dry_run, active=committer.active,
                                  nodes=build_fleet_nodes(settings, record, metrics) if policy.uses_node_actions
                                  else None, settled=committer.settled)
-        committer.on_ended = approver.ended
+        committer.on_ended, committer.on_committed = approver.ended, approver.wake
         runners.append(approver)
 
     server.start()
