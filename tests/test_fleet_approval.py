@@ -212,3 +212,33 @@ def test_policy_check_and_explain_in_fleet_mode(tmp_path: Path) -> None:
     assert "matched  web-reboots" in web_block and "decision APPROVE" in web_block
     freeze_block = next(block for block in blocks if str(uuid.UUID(int=2)) in block)
     assert "matched  (no rule)" in freeze_block and "decision HOLD" in freeze_block
+
+
+def test_rollout_limits_events_in_progress_per_group_and_fleet_wide_and_staggers_them(arm: ArmPeer) -> None:
+    a, b = event_at(VMSS, 11, ("aks-pool_0",)), event_at(VMSS, 12, ("aks-pool_1",))   # one scale set
+    web, db = event_at(VM, 13, ("web-1",)), event_at(VM.replace("web-1", "web-2"), 14, ("web-2",))
+    serve(arm, a, b, web, db)
+    harness = Harness(arm, "rollout: {max_in_progress: 2, max_in_progress_per_group: 1, stagger: 10}\n"
+                           "rules: [{name: all, action: approve, match: {event_type: [Reboot]}}]\n")
+    harness.events = [a, b, web, db]
+
+    def acked() -> list[str]:
+        return [event for _, event, _, _ in arm.received.acks]
+
+    harness.step()
+    assert acked() == [a.event.event_id]                          # b waits for its scale set; the VMs for stagger
+    harness.step(5)
+    assert acked() == [a.event.event_id]
+    harness.step(5)
+    assert len(acked()) == 2 and acked()[1] in (web.event.event_id, db.event.event_id)
+    harness.step(20)
+    assert len(acked()) == 2                                      # two in progress: the fleet's limit
+    harness.events = [b, web, db]                                 # a ended
+    harness.step(1)
+    assert len(acked()) == 3 and acked()[2] in (b.event.event_id, web.event.event_id, db.event.event_id)
+    assert len(set(acked())) == 3
+
+
+def test_rollout_is_refused_outside_fleet_mode() -> None:
+    with pytest.raises(PolicyError, match="rollout: applies only in forewarn fleet"):
+        parse_policy("rollout: {stagger: 5}\nrules: [{name: a, action: hold}]\n", "p.yaml")

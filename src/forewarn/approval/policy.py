@@ -333,12 +333,23 @@ class Window:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """forewarn fleet's limits: events in progress (node actions begun, or approved, and not ended) fleet-wide
+    and per scale set or availability set, and the least time between two approvals."""
+
+    max_in_progress: int | None = None
+    max_in_progress_per_group: int | None = None
+    stagger: float = 0.0
+
+
+@dataclass(frozen=True)
 class Policy:
     rules: tuple[Rule, ...]
     dry_run: bool = False
     leader_mode: str = "any"
     stagger: float = DEFAULT_STAGGER
     max_approvals_per_hour: int | None = None
+    rollout: Rollout | None = None               # forewarn fleet: limits on events in progress
     windows: tuple[Window, ...] = ()
     impactful_types: frozenset[str] = frozenset(DEFAULT_IMPACTFUL)
     recover: tuple[Hook, ...] = ()
@@ -555,6 +566,8 @@ def parse_policy(text: str, source: str = "<policy>", check_commands: bool = Fal
         leader_mode=leader.get("mode", "any"),
         stagger=float(leader.get("stagger", DEFAULT_STAGGER)),
         max_approvals_per_hour=data.get("max_approvals_per_hour"),
+        rollout=Rollout(data["rollout"].get("max_in_progress"), data["rollout"].get("max_in_progress_per_group"),
+                        float(data["rollout"].get("stagger", 0))) if "rollout" in data else None,
         windows=tuple(windows),
         impactful_types=frozenset(data.get("impactful_types", DEFAULT_IMPACTFUL)),
         recover=_hooks(data.get("hooks", {}).get("recover", []), "recover", ["hooks", "recover"], fail,
@@ -570,6 +583,9 @@ def _check_mode(data: Mapping[str, Any], fleet: bool, fail: Any) -> None:
     """What only one mode can mean. `forewarn fleet` is no VM of the event, so `affects_this_vm` and the
     leader among affected VMs mean nothing there (its node actions act on the node of every VM the event
     names); the per-VM agent knows only its own VM, so the fleet's place keys mean nothing to it."""
+    if not fleet and "rollout" in data:
+        raise fail(["rollout"], "applies only in forewarn fleet (the agent on a VM decides for its own VM; "
+                   "max_approvals_per_hour and the leader mode pace a fleet of agents)")
     if fleet and "leader" in data:
         raise fail(["leader"], "forewarn fleet approves for every VM of an event at once: there is no leader "
                    "among them (remove leader)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -100,6 +101,8 @@ class FleetApprover:
         self._cap_said = False
         self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
         self._wake = threading.Event()         # set by a commit (or the stop): the next step comes at once
+        self._counts: Tally[str] = Tally()     # events in progress by group (scale set, availability set, VM)
+        self._last_start = float("-inf")       # when the last event went in progress (rollout.stagger)
         self._nodes_state = StateLog(log, "Kubernetes nodes")
         self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
@@ -178,6 +181,8 @@ class FleetApprover:
                 self.nodes.undo(ended.event.event, ended.nodes, self.dry_run, ended.event)
         live = {id(track) for track in self._tracks.values()}
         self._digests = {digest: track for digest, track in self._digests.items() if id(track) in live}
+        self._counts = Tally(track.event.resource_id.lower() for track in self._tracks.values()
+                             if self._in_progress(track))
         due: dict[str, list[tuple[FleetEvent, str]]] = {}
         for key, fleet_event in events.items():
             if fleet_event.event.status != "Scheduled":
@@ -203,8 +208,37 @@ class FleetApprover:
                 self._say(track, fleet_event, f"{decision.reason}; not before "
                           f"{datetime.fromtimestamp(decision.earliest, tz=timezone.utc):%H:%M:%S}Z")
                 continue
+            if not self._in_progress(track) and not self._may_start(track, now):
+                continue
             due.setdefault(fleet_event.resource_id, []).append((fleet_event, decision.rule.name))
         return due
+
+    # --- rollout (the policy's `rollout`, fleet mode) -------------------------------------------------
+    @staticmethod
+    def _in_progress(track: _Track) -> bool:
+        """Whether the event counts against the rollout limits: its node actions begun, or it approved."""
+        return track.acting != "" or track.stage in ("approved", "decided")
+
+    def _may_start(self, track: _Track, now: float) -> bool:
+        """Whether one more event may go in progress now (and, if so, it is counted as going): within the
+        rollout limits, fleet-wide and for its scale set or availability set, and `stagger` after the last."""
+        rollout = self.policy.rollout
+        if rollout is None:
+            return True
+        group = track.event.resource_id.lower()
+        why = None
+        if rollout.max_in_progress is not None and sum(self._counts.values()) >= rollout.max_in_progress:
+            why = f"rollout: {sum(self._counts.values())} event(s) in progress across the fleet (max_in_progress)"
+        elif rollout.max_in_progress_per_group is not None and self._counts[group] >= rollout.max_in_progress_per_group:
+            why = f"rollout: {self._counts[group]} event(s) of its group in progress (max_in_progress_per_group)"
+        elif rollout.stagger and now < self._last_start + rollout.stagger:
+            why = f"rollout: staggered, {self._last_start + rollout.stagger - now:.0f} s after the last"
+        if why is not None:
+            self._say(track, track.event, f"{why}; waiting")
+            return False
+        self._counts[group] += 1
+        self._last_start = now
+        return True
 
     def _node_index(self, events: dict[tuple[str, str], FleetEvent]) -> NodeIndex | None:
         """The cluster's nodes (None: no node actions, or the API cannot be read now); when read afresh, what
@@ -251,7 +285,7 @@ class FleetApprover:
         assert self.nodes is not None, "a policy with node actions needs FleetNodes"
         event = track.event
         if track.acting == "":
-            if index is None:
+            if index is None or not self._may_start(track, self.clock()):
                 return False
             track.nodes = self.nodes.nodes_of(event, index)
             track.acting = "acting"
