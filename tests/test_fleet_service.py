@@ -469,3 +469,86 @@ def test_end_to_end_a_queued_scale_set_event_drains_its_nodes_is_acknowledged_an
     for record in records:
         jsonschema.validate(record, SCHEMA)
     assert "azure_scheduled_events_fleet_vms_without_node_total 1.0" in text
+
+
+def test_two_replicas_the_actor_killed_mid_drain_one_approval_the_drain_finished_and_the_node_released(
+        tmp_path: Path, authority: Authority) -> None:
+    """Two replicas under one Lease, node actions by policy. The active one cordons the node and starts a
+    drain that a PodDisruptionBudget blocks; SIGKILL it. The other takes over, resumes the drain from the
+    node's ledger, which finishes once the budget allows; the event is acknowledged once in all; when it is
+    over the node is released, and every record id stands for one change."""
+    from datetime import datetime, timedelta, timezone
+
+    from forewarn.imds.document import format_not_before
+
+    from peers.kube_api import KubeApi
+
+    pool, group = "aks-pool-vmss", "MC_rg-aks_c_westeurope"
+    target = target_id("vmss", pool, sub=SUBS[0], rg=group.lower())
+    props = properties(event_id=eid(800), resources=(f"{pool}_0",),
+                       not_before=format_not_before(datetime.now(timezone.utc) + timedelta(minutes=10)))
+    arm = ArmPeer(authority, rows=[{"id": f"{target}/providers/Microsoft.Maintenance/scheduledevents/{eid(800)}",
+                                    "name": eid(800), "subscriptionId": SUBS[0], "resourceGroup": group.lower(),
+                                    "location": "westeurope", "properties": props}])
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  - name: pool\n    action: approve\n    match: {scale_set: [aks-pool-*]}\n"
+                      "    node: [cordon, {drain: {timeout: 120, margin: 1}}]\n")
+    roles = tmp_path / "roles"
+    roles.mkdir()
+    (roles / "lease.yaml").write_text(LEASE_ROLE)
+    (roles / "nodes.yaml").write_text((ROOT / "deploy" / "kubernetes" / "components" / "fleet-node-actions" /
+                                       "clusterrole.yaml").read_text())
+    node = f"{pool}000000"
+    with KubeApi(cluster_role=roles, namespaces=["forewarn", "shop"]) as api:
+        api.add_node(node, provider_id=f"azure://{target_id('vmss', pool, sub=SUBS[0], rg=group)}/virtualMachines/0")
+        api.add_pod("shop", "web-0", node, labels={"app": "web"}, owner_kind="ReplicaSet")
+        api.add_pdb("shop", "web", {"app": "web"}, max_unavailable=0)      # the drain is blocked until freed
+        replicas = []
+        for name in ("a", "b"):
+            kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn")
+            home = tmp_path / name
+            home.mkdir()
+            replicas.append(Fleet(home, arm, authority, None, None,
+                                  extra=("--lease-name", "forewarn-fleet", "--lease-seconds", "3", "--kubeconfig",
+                                         str(kubeconfig), "--policy", str(policy))).start())
+
+        def active() -> list[Fleet]:
+            return [r for r in replicas if "azure_scheduled_events_fleet_active 1.0" in (r.metrics() or "")]
+
+        try:
+            wait_until(lambda: len(active()) == 1, timeout=20, message="one active replica")
+            (leader,) = active()
+            (standby,) = [r for r in replicas if r is not leader]
+            wait_until(lambda: any(r["data"]["change"] == "drain" and r["data"]["phase"] == "blocked"
+                                   for r in leader.records()), timeout=30, message="the drain blocked")
+            assert api.node(node)["spec"].get("unschedulable") is True
+            leader.kill()                                                 # mid-drain
+            wait_until(lambda: "azure_scheduled_events_fleet_active 1.0" in (standby.metrics() or ""), timeout=20,
+                       message="the standby to take over")
+            wait_until(lambda: any(r["data"]["change"] == "drain" for r in standby.records()), timeout=30,
+                       message="the drain resumed by the new actor")
+            assert arm.received.acks == [], "not approved while the drain is blocked"
+            api.set_pdb_allowed("shop", "web", 1)                         # the budget lets the pod go
+            wait_until(lambda: len(arm.received.acks) == 1, timeout=60, message="the approval after the drain")
+            assert [pod["metadata"]["name"] for pod in api.pods()] == []
+            arm.rows = []                                                  # the event is over
+            wait_until(lambda: not api.node(node)["spec"].get("unschedulable"), timeout=30,
+                       message="the node released")
+            time.sleep(1.5)
+        finally:
+            for replica in replicas:
+                if replica.proc is not None and replica.proc.poll() is None:
+                    assert replica.stop() == 0, replica.log.read_text()[-3000:]
+            arm.stop()
+        assert len(arm.received.acks) == 1
+        annotations = api.node(node)["metadata"].get("annotations") or {}
+        assert "forewarn.io/applied" not in annotations and not api.node(node)["spec"].get("taints")
+    records = leader.records() + standby.records()
+    meaning: dict[str, set[tuple[str, ...]]] = {}
+    for record in records:
+        data = record["data"]
+        meaning.setdefault(record["id"], set()).add((data["change"], data.get("action", ""), data.get("result", ""),
+                                                     data.get("phase", ""), data["vm"]["name"]))
+    assert all(len(kinds) == 1 for kinds in meaning.values()), "a record id stands for one change"
+    approved = [r for r in records if r["data"]["change"] == "approved"]
+    assert len(approved) == 1 and approved[0] in standby.records(), "approved once, by the replica that finished"
