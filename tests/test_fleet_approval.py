@@ -22,6 +22,7 @@ from forewarn.fleet.metrics import FleetMetrics
 from forewarn.imds.document import Event
 from forewarn.records import Record
 
+from conftest import wait_until
 from peers.arm import ArmPeer
 from peers.pki import Authority
 
@@ -242,3 +243,38 @@ def test_rollout_limits_events_in_progress_per_group_and_fleet_wide_and_staggers
 def test_rollout_is_refused_outside_fleet_mode() -> None:
     with pytest.raises(PolicyError, match="rollout: applies only in forewarn fleet"):
         parse_policy("rollout: {stagger: 5}\nrules: [{name: a, action: hold}]\n", "p.yaml")
+
+
+def test_prepare_hooks_run_once_per_event_before_its_approval_and_a_failing_one_holds(
+        arm: ArmPeer, tmp_path: Path) -> None:
+    import json
+    import sys
+
+    log = tmp_path / "hooks.log"
+    writer = ("import json, sys; payload = json.load(sys.stdin); "
+              "open(sys.argv[1], 'a').write(payload['hook'] + ' ' + payload['event']['EventId'] + ' ' + "
+              "payload['vm']['name'] + '\\n'); sys.exit(1 if payload['vm']['name'] == 'web-2' else 0)")
+    hook = json.dumps({"command": [sys.executable, "-c", writer, str(log)]})
+    policy = (f"hooks: {{recover: [{hook}]}}\n"
+              f"rules: [{{name: all, action: approve, match: {{event_type: [Reboot]}}, prepare: [{hook}]}}]\n")
+    web, failing = event_at(VM, 21, ("web-1",)), event_at(VM.replace("web-1", "web-2"), 22, ("web-2",))
+    serve(arm, web, failing)
+    harness = Harness(arm, policy)
+    harness.approver.hook_runs = harness.metrics.hook_runs
+    harness.events = [web, failing]
+    harness.step()                                               # hooks start; nothing approved yet
+    assert arm.received.acks == []
+    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2, timeout=30,
+               message="both prepare hooks")
+    for _ in range(3):
+        harness.step(1)
+    assert [event for _, event, _, _ in arm.received.acks] == [web.event.event_id]   # the failing one holds
+    assert sorted(log.read_text().splitlines()) == sorted([f"prepare {web.event.event_id} web-1",
+                                                            f"prepare {failing.event.event_id} web-2"])
+    assert harness.metrics.hook_runs.labels("prepare", "failure")._value.get() == 1
+    from forewarn.fleet.tracker import EndedBy, FleetChange
+    from forewarn.tracker import ChangeKind, Outcome
+
+    harness.approver.ended([FleetChange(ChangeKind.REMOVED, web, web, Outcome.COMPLETED, EndedBy.STATUS)])
+    wait_until(lambda: f"recover {web.event.event_id} web-1" in log.read_text(), timeout=30,
+               message="the recover hook after the event completed")

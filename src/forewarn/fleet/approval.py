@@ -23,7 +23,7 @@ import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,9 @@ class _Track:
     acting: str = ""
     nodes: dict[str, str] = field(default_factory=dict)
     work: Future[bool] | None = None
+    # the rule's prepare hooks: "" (not run), running, ok, failed
+    preparing: str = ""
+    hooks: Future[bool] | None = None
 
 
 def place_of(event: FleetEvent) -> Place:
@@ -82,10 +85,12 @@ class FleetApprover:
                  record: Callable[[Sequence[Record]], object], approvals: Any, dry_run: bool = False,
                  active: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
                  tick: float = DEFAULT_TICK, nodes: FleetNodes | None = None,
-                 settled: Callable[[], bool] = lambda: True) -> None:
+                 settled: Callable[[], bool] = lambda: True, hook_runs: Any = None) -> None:
         self.policy = policy
         self.nodes = nodes             # node actions (forewarn.fleet.nodeactions); None when no rule has any
         self.settled = settled         # whether every open event is known (a complete snapshot in this term)
+        self.hook_runs = hook_runs     # the azure_scheduled_events_hook_runs_total counter, or None
+        self._hooks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fleet-hooks")
         self.acknowledger = acknowledger
         self.open_events = open_events
         self.record = record
@@ -111,6 +116,7 @@ class FleetApprover:
         """Events that ended (the committer's `removed` changes, after its commit): what nodes hold for them is
         undone at the next tick, also when this replica never acted for them (its predecessor did); after a
         Preempt or Terminate that completed, the rule's `after_eviction` is carried out."""
+        self._recover(changes)
         if self.nodes is not None:
             with self._lock:
                 self._ended.extend(changes)
@@ -143,6 +149,7 @@ class FleetApprover:
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
+        self._hooks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fleet-hooks")   # one per term
         if self.nodes is not None:
             self.nodes.begin(stop)
         threading.Thread(target=self._wake_at, args=(stop,), name="approver-stop", daemon=True).start()
@@ -157,6 +164,7 @@ class FleetApprover:
         finally:
             if self.nodes is not None:
                 self.nodes.end()
+            self._hooks.shutdown(wait=False, cancel_futures=True)
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target."""
@@ -204,6 +212,8 @@ class FleetApprover:
             if decision.action != "approve" or decision.rule is None:
                 self._say(track, fleet_event, decision.reason)
                 continue
+            if decision.rule.prepare and not self._prepared(track, decision.rule):
+                continue
             if decision.earliest is not None and now < decision.earliest:
                 self._say(track, fleet_event, f"{decision.reason}; not before "
                           f"{datetime.fromtimestamp(decision.earliest, tz=timezone.utc):%H:%M:%S}Z")
@@ -212,6 +222,44 @@ class FleetApprover:
                 continue
             due.setdefault(fleet_event.resource_id, []).append((fleet_event, decision.rule.name))
         return due
+
+    # --- hooks ---------------------------------------------------------------------------------------------
+    def _prepared(self, track: _Track, rule: Rule) -> bool:
+        """Whether the rule's prepare hooks are done with (run once per event, after its node actions, for the
+        event as a whole: its first VM stands for the VM in the hook's input); a failure holds the event
+        unless the rule says on_hook_failure: approve."""
+        if track.preparing == "":
+            track.preparing = "running"
+            self._say(track, track.event, f"rule {rule.name}: running {len(rule.prepare)} prepare hook(s)")
+            track.hooks = self._hooks.submit(self._run_hooks, rule.prepare, "prepare", track.event, rule.name)
+            return False
+        if track.preparing == "running":
+            if track.hooks is None or not track.hooks.done():
+                return False
+            track.preparing = "ok" if track.hooks.result() else "failed"
+        if track.preparing == "failed" and rule.on_hook_failure == "hold":
+            self._say(track, track.event, f"rule {rule.name}: a prepare hook failed; holding")
+            return False
+        return True
+
+    def _run_hooks(self, hooks: Sequence[Any], kind: str, event: FleetEvent, rule: str | None) -> bool:
+        from forewarn.approval.hooks import run_hook
+
+        vms = vm_ids(event)
+        vm = fleet_vm(event, vms[0]) if vms else fleet_vm(event, event.resource_id)
+        for hook in hooks:
+            result = run_hook(hook, kind, event.event, vm, rule)
+            if self.hook_runs is not None:
+                self.hook_runs.labels(kind, result).inc()
+            if result != "success":
+                return False
+        return True
+
+    def _recover(self, changes: Sequence[FleetChange]) -> None:
+        """The policy's recover hooks, once for each event that completed."""
+        for change in changes:
+            if change.outcome is Outcome.COMPLETED and self.policy.recover:
+                self._hooks.submit(self._run_hooks, self.policy.recover, "recover", change.event, None)
 
     # --- rollout (the policy's `rollout`, fleet mode) -------------------------------------------------
     @staticmethod

@@ -101,6 +101,11 @@ class FleetMetrics:
         self.approvals = Counter("azure_scheduled_events_approvals_total",
                                  "Approval decisions carried out through ARM's acknowledge call, by result.",
                                  ["event_type", "result"], registry=r)
+        self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
+                                 ["hook", "result"], registry=r)
+        for hook in ("prepare", "recover"):
+            for result in ("success", "failure", "timeout", "error"):
+                self.hook_runs.labels(hook, result)
         self.nodes = NodeMetrics(r)
         self.vms_without_node = Counter("azure_scheduled_events_fleet_vms_without_node_total",
                                         "VMs of events with node actions that are no node of this cluster (left "

@@ -367,7 +367,7 @@ def run_fleet(settings: FleetSettings) -> int:
         approver = FleetApprover(policy, acknowledger, committer.open_events, record, metrics.approvals,
                                  dry_run=settings.dry_run, active=committer.active,
                                  nodes=build_fleet_nodes(settings, record, metrics) if policy.uses_node_actions
-                                 else None, settled=committer.settled)
+                                 else None, settled=committer.settled, hook_runs=metrics.hook_runs)
         committer.on_ended, committer.on_committed = approver.ended, approver.wake
         runners.append(approver)
 
