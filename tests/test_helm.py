@@ -279,6 +279,7 @@ def test_monitoring_objects_are_off_by_default() -> None:
     ("files/policy.yaml", "examples/policies/docs-sample.yaml"),
     ("files/forewarn-alerts.yaml", "deploy/prometheus/forewarn-alerts.yaml"),
     ("files/dashboards/fleet-overview.json", "dashboards/fleet-overview.json"),
+    ("files/dashboards/fleet-central.json", "dashboards/fleet-central.json"),
     ("files/dashboards/single-vm.json", "dashboards/single-vm.json"),
 ])
 def test_the_charts_copies_are_identical_to_the_originals(copy_path: str, original: str) -> None:
