@@ -296,7 +296,8 @@ def test_dashboards_are_config_maps_for_the_grafana_sidecar() -> None:
     docs = render(OPERATOR)
     maps = {d["metadata"]["name"]: d for d in docs
             if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]}
-    assert sorted(maps) == [f"{RELEASE}-dashboard-fleet-overview", f"{RELEASE}-dashboard-single-vm"]
+    assert sorted(maps) == [f"{RELEASE}-dashboard-fleet-central", f"{RELEASE}-dashboard-fleet-overview",
+                            f"{RELEASE}-dashboard-single-vm"]
     for config_map in maps.values():
         assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert config_map["metadata"]["annotations"] == {"grafana_folder": "forewarn"}
