@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.core.credentials import AccessToken
 
 from forewarn.approval.policy import parse_policy
 from forewarn.fleet.acknowledge import Acknowledger
@@ -27,6 +26,7 @@ from forewarn.imds.document import Event
 from forewarn.node.actions import APPLIED
 from forewarn.node.kube import make_client
 from forewarn.records import Record
+from test_fleet_approval import FixedToken
 
 from conftest import wait_until
 from peers.arm import ArmPeer
@@ -45,11 +45,6 @@ rules:
     match: {event_type: [Reboot], scale_set: ["aks-pool-*"]}
     node: [cordon, {drain: {timeout: 60, margin: 1}}]
 """
-
-
-class FixedToken:
-    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
-        return AccessToken("ack-token", 2_000_000_000)
 
 
 def scale_set_event(n: int, resources: tuple[str, ...]) -> FleetEvent:
