@@ -47,14 +47,7 @@ SUB = str(uuid.UUID(int=0xAC << 64 | 1))
 #: which the latency cannot beat; the acknowledgement follows its commit at once.
 POLL = 0.5
 POLICY = "rules: [{name: reboots, action: approve, match: {event_type: [Reboot]}}]\n"
-LEASE_ROLE = """\
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata: {name: forewarn-fleet-lease, namespace: forewarn}
-rules:
-- {apiGroups: [coordination.k8s.io], resources: [leases], verbs: [create]}
-- {apiGroups: [coordination.k8s.io], resources: [leases], resourceNames: [forewarn-fleet], verbs: [get, update]}
-"""
+LEASE_ROLE = importlib.import_module("test_fleet_service").LEASE_ROLE   # the Role the fleet tests use
 
 
 def target(n: int) -> str:

@@ -51,6 +51,23 @@ DEFAULT_TICK = 1.0
 
 
 @dataclass
+class _Work:
+    """Work done once per event before its approval (the rule's node actions, its prepare hooks)."""
+
+    state: str = ""                   # "" (not begun), running, ok, failed
+    future: Future[bool] | None = None
+
+    def begin(self, future: Future[bool]) -> None:
+        self.state, self.future = "running", future
+
+    def finished(self) -> bool:
+        """Whether it has ended (ok or failed), looking at the work under way."""
+        if self.state == "running" and self.future is not None and self.future.done():
+            self.state = "ok" if self.future.result() else "failed"
+        return self.state in ("ok", "failed")
+
+
+@dataclass
 class _Track:
     first_seen: float
     event: FleetEvent
@@ -58,13 +75,9 @@ class _Track:
     attempts: int = 0
     next_attempt: float = 0.0
     said: str = ""
-    # the rule's node actions: "" (none run), acting, acted, failed; on which nodes (node -> VM ID)
-    acting: str = ""
-    nodes: dict[str, str] = field(default_factory=dict)
-    work: Future[bool] | None = None
-    # the rule's prepare hooks: "" (not run), running, ok, failed
-    preparing: str = ""
-    hooks: Future[bool] | None = None
+    acting: _Work = field(default_factory=lambda: _Work())      # the rule's node actions
+    nodes: dict[str, str] = field(default_factory=dict)         # ... on which nodes (node -> VM ID)
+    preparing: _Work = field(default_factory=lambda: _Work())   # the rule's prepare hooks
 
 
 def place_of(event: FleetEvent) -> Place:
@@ -228,16 +241,14 @@ class FleetApprover:
         """Whether the rule's prepare hooks are done with (run once per event, after its node actions, for the
         event as a whole: its first VM stands for the VM in the hook's input); a failure holds the event
         unless the rule says on_hook_failure: approve."""
-        if track.preparing == "":
-            track.preparing = "running"
+        if track.preparing.state == "":
             self._say(track, track.event, f"rule {rule.name}: running {len(rule.prepare)} prepare hook(s)")
-            track.hooks = self._hooks.submit(self._run_hooks, rule.prepare, "prepare", track.event, rule.name)
+            track.preparing.begin(self._hooks.submit(self._run_hooks, rule.prepare, "prepare", track.event,
+                                                     rule.name))
             return False
-        if track.preparing == "running":
-            if track.hooks is None or not track.hooks.done():
-                return False
-            track.preparing = "ok" if track.hooks.result() else "failed"
-        if track.preparing == "failed" and rule.on_hook_failure == "hold":
+        if not track.preparing.finished():
+            return False
+        if track.preparing.state == "failed" and rule.on_hook_failure == "hold":
             self._say(track, track.event, f"rule {rule.name}: a prepare hook failed; holding")
             return False
         return True
@@ -265,7 +276,7 @@ class FleetApprover:
     @staticmethod
     def _in_progress(track: _Track) -> bool:
         """Whether the event counts against the rollout limits: its node actions begun, or it approved."""
-        return track.acting != "" or track.stage in ("approved", "decided")
+        return track.acting.state != "" or track.stage in ("approved", "decided")
 
     def _may_start(self, track: _Track, now: float) -> bool:
         """Whether one more event may go in progress now (and, if so, it is counted as going): within the
@@ -332,20 +343,17 @@ class FleetApprover:
         them on the event's nodes the first time, and says when they failed and the rule holds."""
         assert self.nodes is not None, "a policy with node actions needs FleetNodes"
         event = track.event
-        if track.acting == "":
+        if track.acting.state == "":
             if index is None or not self._may_start(track, self.clock()):
                 return False
             track.nodes = self.nodes.nodes_of(event, index)
-            track.acting = "acting"
             self._say(track, event, f"rule {rule.name}: {len(rule.node)} node action(s) on "
                       f"{', '.join(track.nodes) or 'no node of this cluster'}")
-            track.work = self.nodes.act(event, rule, track.nodes, self.dry_run)
+            track.acting.begin(self.nodes.act(event, rule, track.nodes, self.dry_run))
             return False
-        if track.acting == "acting":
-            if track.work is None or not track.work.done():
-                return False
-            track.acting = "acted" if track.work.result() else "failed"
-        if track.acting == "failed" and rule.on_failure == "hold":
+        if not track.acting.finished():
+            return False
+        if track.acting.state == "failed" and rule.on_failure == "hold":
             self._say(track, event, f"rule {rule.name}: a node action failed or was skipped; holding")
             return False
         return True
