@@ -228,8 +228,7 @@ class QueueReader:
         except Exception:
             log.exception("cannot commit %d queue message(s); they stay in the queue", len(deliveries))
             return
-        for delivery in deliveries:
-            self.source.delete(delivery)
+        self.source.delete_all(deliveries)
         times = [event.event_time.timestamp() for event in events if event.event_time is not None]
         if times:
             self.metrics.feed_lag.set(max(0.0, now - max(times)))
