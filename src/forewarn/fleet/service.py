@@ -165,13 +165,25 @@ class ResourceGraphSource:
 
         state = StateLog(log, "Resource Graph")
         unreadable: set[str] = set()
+
+        def event_of(row: dict[str, Any]) -> FleetEvent | None:
+            """A row as its event as soon as its page is read (the page is dropped before the next one)."""
+            try:
+                return parse_resource_graph_row(row)
+            except FeedError as exc:
+                reason = str(exc)[:200]
+                if reason not in unreadable and len(unreadable) < 1000:
+                    unreadable.add(reason)
+                    log.warning("Resource Graph row skipped: %s", reason)
+                return None
+
         while not stop.is_set():
             started = time.time()
             try:
                 if self.subscriptions:
-                    snapshot = self.client.snapshot(subscriptions=list(self.subscriptions))
+                    snapshot = self.client.snapshot(subscriptions=list(self.subscriptions), convert=event_of)
                 else:
-                    snapshot = self.client.snapshot(management_groups=list(self.management_groups))
+                    snapshot = self.client.snapshot(management_groups=list(self.management_groups), convert=event_of)
             except Stopped:
                 return
             except ResourceGraphError as exc:
@@ -179,18 +191,12 @@ class ResourceGraphSource:
                 state.failing(str(exc.status or "error"), f"{exc}; keeping the last known events")
                 stop.wait(self.interval)
                 continue
-            events: list[FleetEvent] = []
-            for row in snapshot.rows:
-                try:
-                    events.append(parse_resource_graph_row(row))
-                except FeedError as exc:
-                    reason = str(exc)[:200]
-                    if reason not in unreadable and len(unreadable) < 1000:
-                        unreadable.add(reason)
-                        log.warning("Resource Graph row skipped: %s", reason)
-            complete = not snapshot.warnings and len(events) == len(snapshot.rows)
+            events: list[FleetEvent] = list(snapshot.rows)
+            complete = not snapshot.warnings and snapshot.left_out == 0
             for warning in snapshot.warnings:
                 log.warning("Resource Graph: %s (no event is ended from this snapshot)", warning)
+            seconds, quota_remaining = snapshot.seconds, snapshot.quota_remaining
+            del snapshot
             try:
                 self.committer.snapshot(events, started, complete)
             except NotActive:
@@ -198,11 +204,14 @@ class ResourceGraphSource:
             except Exception:
                 log.exception("cannot commit a Resource Graph snapshot; the next one tries again")
                 self.metrics.source_failed("resourcegraph")
+                del events
                 stop.wait(self.interval)
                 continue
+            # Until the next snapshot, the tracker holds the events it needs; not this list of all of them.
+            del events
             state.ok()
             self.metrics.source_succeeded("resourcegraph", time.time())
-            self.metrics.reconciled(snapshot.seconds, snapshot.quota_remaining)
+            self.metrics.reconciled(seconds, quota_remaining)
             stop.wait(self.interval)
 
 
