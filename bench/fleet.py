@@ -13,8 +13,9 @@ tails every 5 ms.
   pages of 1000 rows. The service's own `azure_scheduled_events_reconcile_duration_seconds`, and the time
   from the first query reaching the stand-in (and from the process start) to the 10,000th record in the
   file. Floor: the same paging read by a bare http.client loop over TLS with json.loads, nothing else.
-- RSS: VmRSS and VmHWM of the service after the first snapshot, and while the stream below runs (VmHWM
-  reset when it starts). Baseline: the per-VM agent idle (`forewarn run --simulate quiet`, file sink).
+- RSS: VmRSS and VmHWM of the service after the first snapshot (before any scrape has rendered its series),
+  after the first scrape that does, after the scrapes below, and while the stream below runs (VmHWM reset
+  when it starts). Baseline: the per-VM agent idle (`forewarn run --simulate quiet`, file sink).
 - /metrics: sequential scrapes on one kept-alive connection with the 2,000 events (10,000 VM series) open.
   Floor: prometheus_client's own server exposing the same series from a list built in advance.
 - latency: a paced stream into the same service's queue (50 messages/s for 30 s, one new event on one VM
@@ -507,13 +508,17 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
         with arm.received.lock:
             first_query = arm.received.times[0]
         first_query_wall = time.time() - (time.monotonic() - first_query)
+        # RSS once the snapshot has settled, before any scrape has rendered its 10,000 VMs' series, then after
+        # the first such scrape (the one that reads the gauge below).
+        time.sleep(args.settle)
+        before_scrape = (rss_mib(fleet.pid), peak_rss_mib(fleet.pid))
         reconcile = None
         for _ in range(100):  # the gauge is set just after the commit that wrote the records
             reconcile = fleet.metric(RECONCILE_METRIC)
             if reconcile is not None:
                 break
             time.sleep(0.05)
-        time.sleep(args.settle)
+        time.sleep(1.0)
         out["snapshot"] = {
             "subscriptions": SUBSCRIPTIONS, "events": EVENTS, "vms": vms, "page_rows": PAGE_ROWS,
             "records": len(fleet.tail.lines), "pages": len(arm.received.times),
@@ -523,8 +528,10 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
             "start_to_ready_s": round(fleet.ready - fleet.started, 3),
             "reconcile_interval_s": args.reconcile_interval,
         }
-        out["rss"] = {"after_snapshot_mib": round(rss_mib(fleet.pid), 1),
-                      "hwm_after_snapshot_mib": round(peak_rss_mib(fleet.pid), 1), "settle_s": args.settle}
+        out["rss"] = {"after_snapshot_mib": round(before_scrape[0], 1),
+                      "hwm_after_snapshot_mib": round(before_scrape[1], 1),
+                      "after_first_scrape_mib": round(rss_mib(fleet.pid), 1),
+                      "hwm_after_first_scrape_mib": round(peak_rss_mib(fleet.pid), 1), "settle_s": args.settle}
         print("snapshot:", out["snapshot"], out["rss"], flush=True)
 
         # -- /metrics with the events open; the gauge read from every scrape gives the later reconciles too
@@ -534,6 +541,8 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
             if value is not None and value != values[-1]:
                 values.append(value)
         out["metrics"] = summary
+        out["rss"]["after_scrapes_mib"] = round(rss_mib(fleet.pid), 1)
+        out["rss"]["hwm_after_scrapes_mib"] = round(peak_rss_mib(fleet.pid), 1)
         out["snapshot"]["reconcile_metric_values_s"] = values
         print("metrics:", summary, flush=True)
 
