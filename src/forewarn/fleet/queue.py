@@ -220,8 +220,8 @@ def _secret_values(connection_string: str) -> list[str]:
 
 
 class QueueSource:
-    """Receives, deletes and moves aside the messages of one Storage queue. Used by one thread; `stats`
-    may be read from any."""
+    """Receives, deletes and moves aside the messages of one Storage queue. Used by one thread (`delete_all`
+    runs its deletes on a small pool of its own and returns when they are done); `stats` may be read from any."""
 
     def __init__(self, client: QueueClient, poison: QueueClient, options: QueueOptions,
                  secrets: tuple[str, ...] = (), clock: Callable[[], float] = time.time) -> None:
