@@ -1,6 +1,10 @@
 """`forewarn fleet` at the size of issue "Fleet mode, part 1", each figure beside a floor measured in the same run.
 
-The service runs as its own process, as deployed (`forewarn fleet`), with the real ManagedIdentityCredential
+The service runs as its own process, as deployed (`python -m forewarn fleet`), from a venv that holds what the
+container image installs and nothing else (`.cache/bench-venv-fleet`: `pip install .[<the Dockerfile's
+EXTRAS>]`, made on first use and again when pyproject.toml changes; the code run is this checkout's src/, first
+on PYTHONPATH). A test venv has more (the `kubernetes` test dependency brings aiohttp, which
+azure-storage-queue then imports: +9 MiB that the image never has). It runs with the real ManagedIdentityCredential
 against the ARM stand-in over TLS (tests/peers/arm.py, in this process) and the real azure-storage-queue
 client against Azurite (tests/azurite, its own node process); records go to a file sink, which this process
 tails every 5 ms.
@@ -9,15 +13,21 @@ tails every 5 ms.
   pages of 1000 rows. The service's own `azure_scheduled_events_reconcile_duration_seconds`, and the time
   from the first query reaching the stand-in (and from the process start) to the 10,000th record in the
   file. Floor: the same paging read by a bare http.client loop over TLS with json.loads, nothing else.
-- RSS: VmRSS and VmHWM of the service after the first snapshot, and while the stream below runs (VmHWM
-  reset when it starts). Baseline: the per-VM agent idle (`forewarn run --simulate quiet`, file sink).
+- RSS: VmRSS and VmHWM of the service after the first snapshot (before any scrape has rendered its series),
+  after the first scrape that does, after the scrapes below, and while the stream below runs (VmHWM reset
+  when it starts). Baseline: the per-VM agent idle (`forewarn run --simulate quiet`, file sink).
 - /metrics: sequential scrapes on one kept-alive connection with the 2,000 events (10,000 VM series) open.
   Floor: prometheus_client's own server exposing the same series from a list built in advance.
 - latency: a paced stream into the same service's queue (50 messages/s for 30 s, one new event on one VM
   each), the send time in the event's Description; arrival is when the record shows in the file.
 - throughput: N messages preloaded (one distinct event each), a fresh service with no Resource Graph
-  source; from its start until every record is in the file and the queue is empty. Floor: a bare
-  azure-storage-queue receive (32 a page) + delete loop over the same N messages on the same Azurite.
+  source; from its start until every record is in the file and the queue is empty. CPU seconds per message of
+  the service and of Azurite (utime+stime from /proc/PID/stat across the run), and the rate each would allow
+  with a core of its own. Floor: a bare azure-storage-queue receive (32 a page) + delete loop over the same
+  N messages on the same Azurite, with the same CPU readings.
+- steady stream: a fresh queue-only service while producers keep at most `--depth` (200) messages queued,
+  because Azurite slows as its queue deepens (its scans are O(n)): the rate and the CPU per message of both
+  processes (Azurite's share includes the sends, whose cost the preload measures alone).
 
     python bench/fleet.py [--quick]
 
@@ -27,10 +37,12 @@ Results are printed and written to bench/results/fleet.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import importlib
 import json
 import os
+import resource
 import shutil
 import signal
 import ssl
@@ -68,7 +80,7 @@ AZURITE, TestAzurite, count_messages = _queue_tests.AZURITE, _queue_tests.Azurit
 #: The payload builders of the fleet tests, importable once common has put tests/ on the path.
 samples = importlib.import_module("fleet_samples")
 ROOT = BENCH.parent
-FOREWARN = Path(sys.executable).parent / "forewarn"
+SERVICE_VENV = ROOT / ".cache" / "bench-venv-fleet"
 CLIENT_ID = "00000000-0000-0000-0000-00000000c11d"
 RECONCILE_METRIC = "azure_scheduled_events_reconcile_duration_seconds"
 SENT = "bench-sent="
@@ -106,6 +118,67 @@ def stream_message(n: int, sent: float, prefix: str) -> str:
     return json.dumps(samples.event_grid_event(props, target, f"{prefix}-{n}"))
 
 
+# --- the service's venv --------------------------------------------------------------------------------------
+
+def image_extras() -> str:
+    """The extras the container image installs: the Dockerfile's `ARG EXTRAS=` default."""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("ARG EXTRAS="):
+            return line.split("=", 1)[1].strip()
+    raise SystemExit("no `ARG EXTRAS=` in the Dockerfile")
+
+
+def service_venv() -> dict[str, Any]:
+    """A venv with forewarn's runtime dependencies as the image installs them, made once per pyproject.toml
+    and extras; returns its python and how its packages differ from the benchmark's own interpreter."""
+    extras = image_extras()
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()[:16]
+    python = SERVICE_VENV / "bin" / "python"
+    stamp = SERVICE_VENV / "bench-key"
+    if not python.exists() or not stamp.exists() or stamp.read_text() != key:
+        shutil.rmtree(SERVICE_VENV, ignore_errors=True)
+        print(f"making {SERVICE_VENV} with .[{extras}] (as the image)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(SERVICE_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        f".[{extras}]"], check=True, cwd=ROOT)
+        stamp.write_text(key)
+
+    def packages(interpreter: str) -> set[str]:
+        listing = subprocess.run([interpreter, "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+                                 check=True, capture_output=True, text=True).stdout
+        return {f"{p['name'].lower()}=={p['version']}" for p in json.loads(listing)}
+
+    service, here = packages(str(python)), packages(sys.executable)
+    return {"python": str(python), "extras": extras, "packages": len(service),
+            "only_in_bench_interpreter": sorted(p.split("==")[0] for p in here - service
+                                                if p.split("==")[0] not in {q.split("==")[0] for q in service}),
+            "version_differs": sorted(p for p in service - here
+                                      if p.split("==")[0] in {q.split("==")[0] for q in here})}
+
+
+def service_argv(*args: str) -> list[str]:
+    return [str(SERVICE_VENV / "bin" / "python"), "-m", "forewarn", *args]
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    """The environment of a service process: this checkout's src/ first, whatever PYTHONPATH said."""
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), **extra}
+
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime of `pid` in seconds (/proc/PID/stat: every thread, ended ones included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_message(cpu: float, messages: int) -> dict[str, Any]:
+    """CPU per message in ms, and the messages a second that one core of it would allow."""
+    if messages <= 0 or cpu <= 0:
+        return {"cpu_s": round(cpu, 2), "cpu_ms_per_message": None, "ceiling_per_core_per_s": None}
+    return {"cpu_s": round(cpu, 2), "cpu_ms_per_message": round(cpu / messages * 1000, 2),
+            "ceiling_per_core_per_s": round(messages / cpu)}
+
+
 # --- peers and the service ---------------------------------------------------------------------------------
 
 class Azurite(TestAzurite):
@@ -130,10 +203,15 @@ class Azurite(TestAzurite):
     def count(self, queue: Any) -> int:
         return count_messages(queue)
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
 
-def preload(azurite: Azurite, queue_name: str, total: int, prefix: str) -> float:
-    """`total` messages into the queue from 8 threads; returns the seconds it took."""
-    started = time.monotonic()
+
+def preload(azurite: Azurite, queue_name: str, total: int, prefix: str) -> dict[str, Any]:
+    """`total` messages into the queue from 8 threads: the seconds it took, and Azurite's CPU per send."""
+    started, azurite_cpu = time.monotonic(), proc_cpu(azurite.pid)
 
     def send(part: int) -> None:
         client = azurite.queue(queue_name)
@@ -142,7 +220,8 @@ def preload(azurite: Azurite, queue_name: str, total: int, prefix: str) -> float
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(send, range(8)))
-    return time.monotonic() - started
+    return {"seconds": round(time.monotonic() - started, 1),
+            "azurite": per_message(proc_cpu(azurite.pid) - azurite_cpu, total)}
 
 
 class Tail:
@@ -196,12 +275,11 @@ class Fleet:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.log = tmp / "fleet.log"
-        argv = [str(FOREWARN), "fleet", *[arg for sub in subscriptions for arg in ("--subscription", sub)],
-                "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue_name}",
-                "--sink", f"file:{self.records_file}", "--state-dir", str(tmp / "state"),
-                "--listen-address", f"127.0.0.1:{self.port}", "--log-level", "warning"]
-        env = {**os.environ, "FOREWARN_QUEUE_CONNECTION_STRING": azurite.connection_string,
-               "REQUESTS_CA_BUNDLE": str(bundle)}
+        argv = service_argv("fleet", *[arg for sub in subscriptions for arg in ("--subscription", sub)],
+                            "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue_name}",
+                            "--sink", f"file:{self.records_file}", "--state-dir", str(tmp / "state"),
+                            "--listen-address", f"127.0.0.1:{self.port}", "--log-level", "warning")
+        env = service_env(FOREWARN_QUEUE_CONNECTION_STRING=azurite.connection_string, REQUESTS_CA_BUNDLE=str(bundle))
         if arm is not None:
             argv += ["--arm-endpoint", arm.base, "--arm-client-id", CLIENT_ID,
                      "--reconcile-interval", str(reconcile_interval)]
@@ -283,12 +361,13 @@ def paging_floor(arm: ArmPeer, authority: Authority, subscriptions: list[str], r
 def queue_floor(azurite: Azurite, total: int, threads: int = 1) -> dict[str, Any]:
     """A bare azure-storage-queue loop over `total` preloaded messages: receive 32 (one page, one request),
     delete each (one after another, or `threads` at once, each thread with its own client); nothing parsed,
-    nothing written."""
+    nothing written. The client's CPU is this process's (nothing else runs in it meanwhile)."""
     queue = azurite.queue()
     loaded = preload(azurite, queue.queue_name, total, "floor")
     clients = [azurite.queue(queue.queue_name) for _ in range(threads)]
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     done, started = 0, time.monotonic()
+    client_cpu, azurite_cpu = _own_cpu(), proc_cpu(azurite.pid)
     deadline = started + 600
     while done < total and time.monotonic() < deadline:
         page = list(next(queue.receive_messages(messages_per_page=32, max_messages=32,
@@ -300,13 +379,20 @@ def queue_floor(azurite: Azurite, total: int, threads: int = 1) -> dict[str, Any
             list(pool.map(lambda n, page=page: [clients[n].delete_message(m) for m in page[n::threads]],
                           range(threads)))
         done += len(page)
+    seconds = time.monotonic() - started
+    client_cpu, azurite_cpu = _own_cpu() - client_cpu, proc_cpu(azurite.pid) - azurite_cpu
     if pool is not None:
         pool.shutdown()
-    seconds = time.monotonic() - started
     left = azurite.count(queue)
     queue.delete_queue()
     return {"messages": done, "seconds": round(seconds, 2), "messages_per_s": round(done / seconds, 1),
-            "left_in_queue": left, "preload_s": round(loaded, 1), "delete_threads": threads}
+            "left_in_queue": left, "preload": loaded, "delete_threads": threads,
+            "client": per_message(client_cpu, done), "azurite": per_message(azurite_cpu, done)}
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def serve_metrics_floor(port: int, rows_file: str) -> None:
@@ -386,9 +472,10 @@ def metrics_floor(rows: list[dict[str, Any]], scrapes: int, max_seconds: float, 
 def agent_idle_rss(tmp: Path, settle: float) -> dict[str, Any]:
     """The per-VM agent idle, as bench/cost.py and bench/image.py measure it: quiet simulator, file sink."""
     state = tmp / "agent"
-    proc = subprocess.Popen([str(FOREWARN), "run", "--simulate", "quiet", "--listen-address",
-                             f"127.0.0.1:{free_port()}", "--state-dir", str(state), "--sink",
-                             f"file:{state}/records.jsonl"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(service_argv("run", "--simulate", "quiet", "--listen-address",
+                                         f"127.0.0.1:{free_port()}", "--state-dir", str(state), "--sink",
+                                         f"file:{state}/records.jsonl"), env=service_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(settle)
         readings = []
@@ -421,13 +508,17 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
         with arm.received.lock:
             first_query = arm.received.times[0]
         first_query_wall = time.time() - (time.monotonic() - first_query)
+        # RSS once the snapshot has settled, before any scrape has rendered its 10,000 VMs' series, then after
+        # the first such scrape (the one that reads the gauge below).
+        time.sleep(args.settle)
+        before_scrape = (rss_mib(fleet.pid), peak_rss_mib(fleet.pid))
         reconcile = None
         for _ in range(100):  # the gauge is set just after the commit that wrote the records
             reconcile = fleet.metric(RECONCILE_METRIC)
             if reconcile is not None:
                 break
             time.sleep(0.05)
-        time.sleep(args.settle)
+        time.sleep(1.0)
         out["snapshot"] = {
             "subscriptions": SUBSCRIPTIONS, "events": EVENTS, "vms": vms, "page_rows": PAGE_ROWS,
             "records": len(fleet.tail.lines), "pages": len(arm.received.times),
@@ -437,8 +528,10 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
             "start_to_ready_s": round(fleet.ready - fleet.started, 3),
             "reconcile_interval_s": args.reconcile_interval,
         }
-        out["rss"] = {"after_snapshot_mib": round(rss_mib(fleet.pid), 1),
-                      "hwm_after_snapshot_mib": round(peak_rss_mib(fleet.pid), 1), "settle_s": args.settle}
+        out["rss"] = {"after_snapshot_mib": round(before_scrape[0], 1),
+                      "hwm_after_snapshot_mib": round(before_scrape[1], 1),
+                      "after_first_scrape_mib": round(rss_mib(fleet.pid), 1),
+                      "hwm_after_first_scrape_mib": round(peak_rss_mib(fleet.pid), 1), "settle_s": args.settle}
         print("snapshot:", out["snapshot"], out["rss"], flush=True)
 
         # -- /metrics with the events open; the gauge read from every scrape gives the later reconciles too
@@ -448,6 +541,8 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
             if value is not None and value != values[-1]:
                 values.append(value)
         out["metrics"] = summary
+        out["rss"]["after_scrapes_mib"] = round(rss_mib(fleet.pid), 1)
+        out["rss"]["hwm_after_scrapes_mib"] = round(peak_rss_mib(fleet.pid), 1)
         out["snapshot"]["reconcile_metric_values_s"] = values
         print("metrics:", summary, flush=True)
 
@@ -518,6 +613,8 @@ def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse
     loaded = preload(azurite, queue.queue_name, args.messages, "tp")
     (tmp / "throughput").mkdir()
     fleet = Fleet(tmp / "throughput", None, authority, azurite, queue.queue_name, [], 0)
+    # From ready (nothing read yet: the first receive waits for the ready check's first answer at most) to done.
+    service_cpu, azurite_cpu = proc_cpu(fleet.pid), proc_cpu(azurite.pid)
     try:
         last = fleet.tail.wait_for(args.messages, timeout=args.throughput_seconds)
         empty = None
@@ -526,6 +623,7 @@ def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse
                 empty = time.time()
                 break
             time.sleep(0.05)
+        service_cpu, azurite_cpu = proc_cpu(fleet.pid) - service_cpu, proc_cpu(azurite.pid) - azurite_cpu
         lines = list(fleet.tail.lines)
         first = lines[0][0]
         done = max(last, empty or last) if last is not None else time.time()
@@ -540,8 +638,9 @@ def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse
             "first_to_last_record_s": round(lines[-1][0] - first, 2),
             "messages_per_s": round(len(lines) / (done - fleet.ready), 1),
             "records_per_s_by_fifth": slices, "left_in_queue": azurite.count(queue),
+            "service": per_message(service_cpu, len(lines)), "azurite": per_message(azurite_cpu, len(lines)),
             "rss_mib": round(rss_mib(fleet.pid), 1), "hwm_mib": round(peak_rss_mib(fleet.pid), 1),
-            "preload_s": round(loaded, 1),
+            "preload": loaded,
         }
     finally:
         result_code = fleet.stop()
@@ -552,6 +651,65 @@ def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse
     result["floor_parallel"] = queue_floor(azurite, args.messages, threads=8)
     print("queue floor, 8 deletes at once:", result["floor_parallel"], flush=True)
     return result
+
+
+def steady(tmp: Path, authority: Authority, azurite: Azurite, args: argparse.Namespace) -> dict[str, Any]:
+    """A fresh queue-only service fed by 4 producers that keep at most `args.depth` messages queued (sent and
+    not yet seen as a record: a record is written before its message is deleted, so the queue holds at most
+    that many). The rate and CPU are taken from the 10th to the last percent of the records."""
+    queue = azurite.queue()
+    (tmp / "steady").mkdir()
+    fleet = Fleet(tmp / "steady", None, authority, azurite, queue.queue_name, [], 0)
+    total, sent, lock = args.steady_messages, [0], threading.Lock()
+    depths: list[int] = []
+
+    def produce() -> None:
+        client = azurite.queue(queue.queue_name)
+        while True:
+            with lock:
+                if sent[0] >= total:
+                    return
+                if sent[0] - len(fleet.tail.lines) >= args.depth:
+                    n = None
+                else:
+                    n = sent[0]
+                    sent[0] += 1
+            if n is None:
+                time.sleep(0.002)
+                continue
+            client.send_message(stream_message(n, 0.0, "sd"))
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            producers = [pool.submit(produce) for _ in range(4)]
+            marks: dict[str, tuple[float, float, float, int]] = {}
+            deadline = time.monotonic() + args.throughput_seconds
+            while len(fleet.tail.lines) < total and time.monotonic() < deadline:
+                seen = len(fleet.tail.lines)
+                depths.append(sent[0] - seen)
+                for name, at in (("from", total // 10), ("to", total * 9 // 10)):
+                    if name not in marks and seen >= at:
+                        marks[name] = (time.time(), proc_cpu(fleet.pid), proc_cpu(azurite.pid), seen)
+                time.sleep(0.02)
+            for producer in producers:
+                producer.result(timeout=60)
+        lines = list(fleet.tail.lines)
+        if "from" not in marks or "to" not in marks:
+            return {"messages": total, "records": len(lines), "finished": False}
+        (t0, s0, a0, n0), (t1, s1, a1, n1) = marks["from"], marks["to"]
+        messages = n1 - n0
+        return {"messages": total, "records": len(lines), "finished": len(lines) >= total, "depth_limit": args.depth,
+                "depth_max": max(depths), "depth_median": round(statistics.median(depths)),
+                "measured_records": messages, "messages_per_s": round(messages / (t1 - t0), 1),
+                "service": per_message(s1 - s0, messages),
+                "azurite_with_sends": per_message(a1 - a0, messages)}
+    finally:
+        fleet.stop()
+
+
+def _commit() -> str:
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    return described.stdout.strip() or "unknown"
 
 
 def main() -> None:
@@ -569,10 +727,15 @@ def main() -> None:
     args.rate = 50.0
     args.stream_seconds = 8.0 if args.quick else 30.0
     args.messages = 1000 if args.quick else 5000
+    args.steady_messages = 1000 if args.quick else 4000
+    args.depth = 200
     args.floor_reads = 3 if args.quick else 10
     args.settle = 2.0 if args.quick else 5.0
     args.reconcile_interval = 30.0
-    out: dict[str, Any] = {**header(), "quick": args.quick, "load_average_at_start": os.getloadavg()}
+    out: dict[str, Any] = {**header(), "quick": args.quick, "load_average_at_start": os.getloadavg(),
+                           "commit": _commit()}
+    out["service_venv"] = service_venv()
+    print("service venv:", out["service_venv"], flush=True)
     authority = Authority("fleet-bench-ca")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
@@ -580,6 +743,9 @@ def main() -> None:
         try:
             snapshot_and_stream(tmp, authority, azurite, args, out)
             out["throughput"] = throughput(tmp, authority, azurite, args)
+            out["load_average_before_steady"] = os.getloadavg()
+            out["steady"] = steady(tmp, authority, azurite, args)
+            print("steady stream:", out["steady"], flush=True)
         finally:
             azurite.stop()
         out["rss"]["per_vm_agent_idle"] = agent_idle_rss(tmp, 5.0 if args.quick else 15.0)

@@ -7,7 +7,7 @@ import logging
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker
 from forewarn.outbox.outbox import RETRY_SECONDS, Outbox
 from forewarn.poller import OutboxMetrics, Poller
+from forewarn.records import Record
 from forewarn.sinks.file import FileSink
 
 from conftest import SimulatorHandle, wait_until
@@ -202,3 +203,35 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
     finally:
         worker.stop(drain_timeout=0.1)
         outbox.close()
+
+
+class BatchLog(FileSink):
+    """The file sink, noting how many records each `send` was given."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.batches: list[int] = []
+
+    def send(self, records: Sequence[Record]) -> None:
+        super().send(records)
+        self.batches.append(len(records))
+
+
+def test_a_delivery_worker_hands_its_sink_at_most_its_batch_size_at_once(tmp_path: Path) -> None:
+    metrics = Metrics()
+    sink = BatchLog(str(tmp_path / "records.jsonl"))
+    metrics.add_sink(sink.name)
+    outbox = Outbox(tmp_path / "state", [sink.name], 1000, OutboxMetrics(metrics))
+    outbox.append([Record(id=f"r{n}", source="s", type="t", subject=f"e{n}", time="2024-01-01T00:00:00Z",
+                          data={"n": n}) for n in range(250)])
+    worker = DeliveryWorker(sink, outbox, metrics, idle_refresh=0.1, batch_size=100)
+    worker.start()
+    try:
+        wait_until(lambda: len(subjects(tmp_path / "records.jsonl")) == 250, timeout=10)
+        assert sink.batches == [100, 100, 50]
+        assert subjects(tmp_path / "records.jsonl") == [f"e{n}" for n in range(250)]
+    finally:
+        worker.stop(drain_timeout=0.1)
+        outbox.close()
+    with pytest.raises(ValueError, match="batch_size"):
+        DeliveryWorker(sink, outbox, metrics, batch_size=0)

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -201,6 +202,99 @@ def test_a_message_comes_back_when_the_process_dies_before_deleting(azurite: Azu
     assert second.stats.delete_failures == 1 and second.stats.state == "ok"
     assert second.delete(again[0])
     assert count(queue) == 0
+
+
+def test_the_deletes_of_one_receive_go_out_together_and_a_lost_one_is_only_counted(azurite: Azurite) -> None:
+    queue = azurite.queue()
+    for n in range(20):
+        queue.send_message(as_base64(event_grid_event(event(f"vm-{n}"), target_id(name=f"vm-{n}"),
+                                                      delivery_id=f"eg-{n}")))
+    source = azurite.source(queue, QueueOptions(visibility_timeout=30, poll_interval=0.2, max_backoff=0.5))
+    deliveries = source.receive()
+    assert len(deliveries) == 20
+    stale = replace(deliveries[7], pop_receipt="AAAAAAAAAAAAAAAAAAAAAA==")  # a lease that is no longer ours
+
+    results = source.delete_all([*deliveries[:7], stale, *deliveries[8:]])
+    assert results == [True] * 7 + [False] + [True] * 12
+    assert source.stats.deleted == 19 and source.stats.delete_failures == 1
+    assert count(queue) == 1, "the message whose delete failed stays, to be delivered again"
+    source.close()
+
+
+class ForwardProxy:
+    """A plain HTTP forward proxy on a loopback port: forwards each absolute-URI request and notes its URL."""
+
+    def __init__(self) -> None:
+        import http.client
+        from urllib.parse import urlsplit
+
+        seen: list[str] = []
+        self.seen = seen
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def forward(self) -> None:
+                seen.append(self.path)
+                url = urlsplit(self.path)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upstream = http.client.HTTPConnection(url.hostname or "", url.port, timeout=10)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("proxy-connection", "host")}
+                upstream.request(self.command, url.path + (f"?{url.query}" if url.query else ""), body, headers)
+                reply = upstream.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_proxy_from_the_environment_carries_the_queue_requests_unless_no_proxy_names_the_host(
+        azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = ForwardProxy()
+    try:
+        queue = azurite.queue()
+        queue.send_message(as_base64(event_grid_event(delivery_id="eg-proxied")))
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
+                     "all_proxy", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        source = azurite.source(queue, QueueOptions(visibility_timeout=30, poll_interval=0.2, max_backoff=0.5))
+        (delivery,) = source.receive()
+        assert delivery.events[0].delivery_id == "eg-proxied"
+        assert source.delete(delivery)
+        assert count(queue) == 0
+        proxied = [url for url in proxy.seen if queue.queue_name in url]
+        assert any("/messages" in url for url in proxied), proxy.seen
+        source.close()
+
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        queue.send_message(as_base64(event_grid_event(delivery_id="eg-direct")))
+        before = len(proxy.seen)
+        direct = azurite.source(queue, QueueOptions(visibility_timeout=30, poll_interval=0.2, max_backoff=0.5))
+        (delivery,) = direct.receive()
+        assert direct.delete(delivery)
+        assert len(proxy.seen) == before, "NO_PROXY names the host: no request through the proxy"
+        direct.close()
+    finally:
+        proxy.stop()
 
 
 # --- unreadable messages ---------------------------------------------------------------------------------

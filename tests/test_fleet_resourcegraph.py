@@ -114,6 +114,20 @@ def raw(peer: ArmPeer, authority: Authority, method: str, path: str, body: Any =
 
 
 # --- pages and batches ----------------------------------------------------------------------------------
+def test_each_page_is_converted_before_the_next_is_asked_for_and_left_out_rows_are_counted(
+        peer: ArmPeer, client: Callable[..., ResourceGraphClient]) -> None:
+    requests_when_converted: list[int] = []
+
+    def convert(row: dict[str, Any]) -> str | None:
+        requests_when_converted.append(len(peer.received.statuses))
+        return None if row["id"] == peer.rows[4]["id"] else row["id"]
+
+    snap = client(page_size=3).snapshot(subscriptions=[subscription(0)], convert=convert)
+    assert list(snap.rows) == [row["id"] for n, row in enumerate(peer.rows) if n != 4]
+    assert (snap.rows_read, snap.left_out, snap.pages, snap.total_records) == (7, 1, 3, 7)
+    assert requests_when_converted == [1, 1, 1, 2, 2, 2, 3], "a page's rows become values before the next request"
+
+
 def test_rows_on_three_pages_arrive_whole_and_in_order(peer: ArmPeer,
                                                        client: Callable[..., ResourceGraphClient]) -> None:
     snap = client(page_size=3).snapshot(subscriptions=[subscription(0)])

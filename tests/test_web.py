@@ -229,6 +229,21 @@ def test_head_sends_the_length_without_a_body(server: Callable[..., HttpServer])
     assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"\r\n\r\nok\n"), "the pipelined request follows"
 
 
+def test_a_body_of_megabytes_arrives_whole_and_the_next_reply_after_it(server: Callable[..., HttpServer]) -> None:
+    body = b"".join(b"azure_scheduled_event_info{vm=\"vm-%07d\"} 1.0\n" % n for n in range(100_000))
+    web = server(render=lambda accept: (body, "text/plain"))
+    with connect(port_of(web), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nHEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = read_until_closed(sock)
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and f"Content-Length: {len(body)}".encode() in head
+    assert rest[:len(body)] == body
+    second, _, third = rest[len(body):].partition(b"\r\n\r\n")
+    assert second.startswith(b"HTTP/1.1 200 ") and f"Content-Length: {len(body)}".encode() in second
+    assert third.startswith(b"HTTP/1.1 200 ") and third.endswith(b"\r\n\r\nok\n"), "HEAD sent no body"
+
+
 def test_http_1_0_without_keep_alive_is_closed_after_the_reply(server: Callable[..., HttpServer]) -> None:
     web = server()
     with connect(port_of(web), timeout=5) as sock:

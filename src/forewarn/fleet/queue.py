@@ -36,7 +36,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -67,6 +68,9 @@ _QUEUE_NAME = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]")
 #: Most messages one receive may return, and the longest visibility timeout (7 days), per the Queue service.
 MAX_MESSAGES_PER_RECEIVE = 32
 MAX_VISIBILITY_TIMEOUT = 7 * 24 * 3600
+#: Deletes of one receive sent at once. Each is one request; a few in flight overlap the Queue service's work
+#: with the client's own (the GIL keeps the client's part serial anyway).
+DELETE_CONCURRENCY = 4
 #: Distinct parse-failure reasons remembered, so each is logged once without unbounded memory.
 MAX_REASONS_REMEMBERED = 256
 
@@ -216,8 +220,8 @@ def _secret_values(connection_string: str) -> list[str]:
 
 
 class QueueSource:
-    """Receives, deletes and moves aside the messages of one Storage queue. Used by one thread; `stats`
-    may be read from any."""
+    """Receives, deletes and moves aside the messages of one Storage queue. Used by one thread (`delete_all`
+    runs its deletes on a small pool of its own and returns when they are done); `stats` may be read from any."""
 
     def __init__(self, client: QueueClient, poison: QueueClient, options: QueueOptions,
                  secrets: tuple[str, ...] = (), clock: Callable[[], float] = time.time) -> None:
@@ -235,6 +239,9 @@ class QueueSource:
         self._moves = StateLog(log, f"poison queue {self.poison_url}")
         self._reasons: OrderedDict[str, None] = OrderedDict()
         self._last_count = 0
+        # Deletes run on a small pool (delete_all): `stats` and the state logs change under this lock.
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
 
     # --- construction ----------------------------------------------------------------------------------
 
@@ -246,7 +253,8 @@ class QueueSource:
         secrets = tuple(_secret_values(connection_string))
         _check_account_key(connection_string)
         try:
-            client, poison = (QueueClient.from_connection_string(connection_string, name, **_client_options(options))
+            settings = _client_options(options, _endpoint(connection_string))
+            client, poison = (QueueClient.from_connection_string(connection_string, name, **settings)
                               for name in (queue_name, poison_name))
         except (ValueError, TypeError, KeyError) as exc:
             detail = _scrubbed(str(exc), secrets)
@@ -280,9 +288,10 @@ class QueueSource:
         account_url = account_url[: -len(queue_name)].rstrip("/")
         secrets = tuple(part[4:] for part in sas.split("&") if part.startswith("sig="))
         try:
-            client = QueueClient.from_queue_url(queue_url, credential=credential, **_client_options(options))
+            client = QueueClient.from_queue_url(queue_url, credential=credential,
+                                                **_client_options(options, account_url))
             poison = QueueClient(account_url + (f"?{sas}" if sas else ""), poison_name, credential=credential,
-                                 **_client_options(options))
+                                 **_client_options(options, account_url))
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"queue URL {redact_url(queue_url)} is not valid: "
                               f"{_scrubbed(str(exc), secrets)}") from None
@@ -341,22 +350,38 @@ class QueueSource:
             self._client.delete_message(delivery.message_id, delivery.pop_receipt,
                                         timeout=self.options.operation_timeout)
         except HttpResponseError as exc:
-            if _status(exc) in (400, 404):  # MessageNotFound, PopReceiptMismatch: the lease was lost
-                self.stats = replace(self.stats, delete_failures=self.stats.delete_failures + 1)
-                self._deletes.failing("lost", f"message {delivery.message_id} was not deleted: its visibility "
-                                      f"timeout ({self.options.visibility_timeout} s) ended before the delete; "
-                                      "it will be delivered again")
-                return False
-            self._delete_failed(exc)
+            with self._lock:
+                if _status(exc) in (400, 404):  # MessageNotFound, PopReceiptMismatch: the lease was lost
+                    self.stats = replace(self.stats, delete_failures=self.stats.delete_failures + 1)
+                    self._deletes.failing("lost", f"message {delivery.message_id} was not deleted: its visibility "
+                                          f"timeout ({self.options.visibility_timeout} s) ended before the delete; "
+                                          "it will be delivered again")
+                    return False
+                self._delete_failed(exc)
             return False
         except (AzureError, OSError) as exc:
-            self._delete_failed(exc)
+            with self._lock:
+                self._delete_failed(exc)
             return False
-        self._deletes.ok()
-        self._succeeded(deleted=1)
+        with self._lock:
+            self._deletes.ok()
+            self._succeeded(deleted=1)
         return True
 
+    def delete_all(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """`delete` for each of `deliveries` (what one receive gave, now committed), up to
+        DELETE_CONCURRENCY at once; returns when every one has succeeded or failed, in their order. A
+        failed delete means what it means for `delete`: the message comes back and changes nothing."""
+        if len(deliveries) <= 1:
+            return [self.delete(delivery) for delivery in deliveries]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(DELETE_CONCURRENCY, thread_name_prefix="queue-delete")
+        return list(self._pool.map(self.delete, deliveries))
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for client in (self._client, self._poison):
             try:
                 client.close()
@@ -416,16 +441,18 @@ class QueueSource:
     # --- health ----------------------------------------------------------------------------------------
 
     def _succeeded(self, received: int = 0, deleted: int = 0) -> None:
-        self._health.ok()
-        self.stats = replace(self.stats, state="ok", reason=None, error=None, consecutive_failures=0,
-                             received=self.stats.received + received, deleted=self.stats.deleted + deleted,
-                             last_success=self._clock())
+        with self._lock:
+            self._health.ok()
+            self.stats = replace(self.stats, state="ok", reason=None, error=None, consecutive_failures=0,
+                                 received=self.stats.received + received, deleted=self.stats.deleted + deleted,
+                                 last_success=self._clock())
 
     def _failed(self, exc: BaseException, doing: str) -> QueueUnavailable:
         failure = self._unavailable(exc, doing)
-        self._health.failing(failure.reason, failure.detail)
-        self.stats = replace(self.stats, state="unavailable", reason=failure.reason, error=str(failure),
-                             consecutive_failures=self.stats.consecutive_failures + 1)
+        with self._lock:
+            self._health.failing(failure.reason, failure.detail)
+            self.stats = replace(self.stats, state="unavailable", reason=failure.reason, error=str(failure),
+                                 consecutive_failures=self.stats.consecutive_failures + 1)
         return failure
 
     def _delete_failed(self, exc: BaseException) -> None:
@@ -455,7 +482,40 @@ def _names(queue_name: str, options: QueueOptions) -> str:
     return poison
 
 
-def _client_options(options: QueueOptions) -> dict[str, Any]:
+def _endpoint(connection_string: str) -> str:
+    """The queue endpoint a connection string names (QueueEndpoint, else the account's public one), for the
+    proxy settings; an empty string when it names neither (the SDK then refuses the string itself)."""
+    parts = {name.strip().lower(): value.strip() for name, _, value in
+             (part.partition("=") for part in connection_string.split(";"))}
+    if parts.get("queueendpoint"):
+        return parts["queueendpoint"]
+    if parts.get("accountname"):
+        return (f"{parts.get('defaultendpointsprotocol') or 'https'}://{parts['accountname']}.queue."
+                f"{parts.get('endpointsuffix') or 'core.windows.net'}")
+    return ""
+
+
+def environment_settings(url: str) -> dict[str, Any]:
+    """The proxy and CA settings `requests` would take from the environment for `url`, read once.
+
+    `requests` reads them again on every request (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY, NO_PROXY, each also in
+    lower case, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE and ~/.netrc): scanning os.environ twice a request was
+    12% of the client's CPU per queue message. The queue's host is fixed, so the answer is too: the clients
+    are given it and stop looking (`use_env_settings=False`). A change to these variables takes a restart,
+    as every other setting does."""
+    from requests.utils import get_environ_proxies
+
+    settings: dict[str, Any] = {"use_env_settings": False}
+    proxies = get_environ_proxies(url) if url else {}
+    if proxies:
+        settings["proxies"] = dict(proxies)
+    ca_bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+    if ca_bundle:
+        settings["connection_verify"] = ca_bundle
+    return settings
+
+
+def _client_options(options: QueueOptions, url: str = "") -> dict[str, Any]:
     # No message encode or decode policy: the SDK passes the text through, so feed.py sees the message as
     # Event Grid wrote it (base64) or as another writer put it (plain JSON), and detects which.
     return {
@@ -464,6 +524,7 @@ def _client_options(options: QueueOptions) -> dict[str, Any]:
         "retry_total": 0,
         "retry_to_secondary": False,
         "user_agent": f"forewarn/{__version__}",
+        **environment_settings(url),
     }
 
 

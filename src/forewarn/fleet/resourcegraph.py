@@ -29,7 +29,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -98,9 +98,9 @@ class ResourceGraphError(ArmError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Every row one query gave, and how getting them went."""
+    """Every row one query gave (or what `convert` made of each), and how getting them went."""
 
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[Any, ...]
     #: Pages read (a page is one 200 answer), and HTTP requests sent (retries included).
     pages: int
     requests: int
@@ -116,12 +116,17 @@ class Snapshot:
     #: The sum of each batch's totalRecords: differs from len(rows) when rows changed between pages.
     total_records: int
     warnings: tuple[str, ...] = ()
+    #: Rows read, and rows that `convert` left out (returned None for).
+    rows_read: int = 0
+    left_out: int = 0
 
 
 @dataclass
 class _Tally:
     started: float = field(default_factory=time.monotonic)
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)
+    rows_read: int = 0
+    left_out: int = 0
     pages: int = 0
     requests: int = 0
     batches: int = 0
@@ -228,9 +233,13 @@ class ResourceGraphClient:
 
     # --- the query ---------------------------------------------------------------------------------------
     def snapshot(self, subscriptions: Sequence[str] | None = None, management_groups: Sequence[str] | None = None,
-                 query: str = DEFAULT_QUERY) -> Snapshot:
+                 query: str = DEFAULT_QUERY, convert: Callable[[dict[str, Any]], Any] | None = None) -> Snapshot:
         """Every row `query` gives in the given subscriptions or management groups (one of them), across all
-        pages and batches. Raises ResourceGraphError when any page cannot be had, Stopped on the stop signal."""
+        pages and batches. Raises ResourceGraphError when any page cannot be had, Stopped on the stop signal.
+
+        `convert`, when given, turns each row into what `Snapshot.rows` holds as soon as its page is read (None
+        leaves the row out, counted in `left_out`): a page's decoded JSON is gone before the next page is asked
+        for, so a snapshot never holds more than one page of rows beside what they became."""
         if (subscriptions is None) == (management_groups is None):
             raise ValueError("give subscriptions or management_groups (one of them)")
         scope_key, given = (("subscriptions", subscriptions) if subscriptions is not None
@@ -246,14 +255,16 @@ class ResourceGraphClient:
         with self._lock:
             tally = _Tally()
             for start in range(0, len(scopes), self.batch_size):
-                self._query({scope_key: scopes[start:start + self.batch_size]}, query, tally)
+                self._query({scope_key: scopes[start:start + self.batch_size]}, query, tally, convert)
             return Snapshot(rows=tuple(tally.rows), pages=tally.pages, requests=tally.requests,
                             batches=tally.batches, seconds=time.monotonic() - tally.started,
                             throttled=tally.throttled, quota_waits=tally.quota_waits,
                             quota_remaining=self._quota_remaining, quota_resets_after=self._quota_resets_after,
-                            total_records=tally.total_records, warnings=capped(tally.warnings))
+                            total_records=tally.total_records, warnings=capped(tally.warnings),
+                            rows_read=tally.rows_read, left_out=tally.left_out)
 
-    def _query(self, scopes: dict[str, list[str]], query: str, tally: _Tally) -> None:
+    def _query(self, scopes: dict[str, list[str]], query: str, tally: _Tally,
+               convert: Callable[[dict[str, Any]], Any] | None) -> None:
         """All pages of one batch."""
         tally.batches += 1
         which = f"batch {tally.batches}"
@@ -267,20 +278,31 @@ class ResourceGraphClient:
             if skip_token is None:
                 tally.total_records += page.total_records
             tally.pages += 1
-            tally.rows.extend(page.rows)
-            if len(tally.rows) > self.max_rows:
+            tally.rows_read += len(page.rows)
+            if tally.rows_read > self.max_rows:
                 raise ResourceGraphError(f"{self._what}: more than {self.max_rows} rows (max_rows); narrow the query")
-            if page.skip_token is None:
-                if page.truncated:
+            if convert is None:
+                tally.rows.extend(page.rows)
+            else:
+                for row in page.rows:
+                    item = convert(row)
+                    if item is None:
+                        tally.left_out += 1
+                    else:
+                        tally.rows.append(item)
+            truncated, next_token = page.truncated, page.skip_token
+            del page  # its rows, before the next page is read
+            if next_token is None:
+                if truncated:
                     tally.warnings.append(
                         f"{which}: resultTruncated is true without a $skipToken: rows are missing (a query "
                         "whose projection drops id cannot be paged)")
                 return
-            if page.skip_token in seen:
+            if next_token in seen:
                 raise ResourceGraphError(f"{self._what}: the same $skipToken came back twice ({which}); "
                                          "paging would not end")
-            seen.add(page.skip_token)
-            skip_token = page.skip_token
+            seen.add(next_token)
+            skip_token = next_token
 
     def _page(self, payload: bytes, tally: _Tally) -> _Page:
         """One page: the request sent (and sent again after 429 or 5xx) until it gives one."""

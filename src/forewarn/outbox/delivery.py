@@ -20,6 +20,7 @@ from forewarn.sinks import Sink
 
 log = logging.getLogger(__name__)
 
+#: Records read from the outbox and handed to the sink at once (a worker may be given fewer).
 BATCH_SIZE = 500
 
 
@@ -45,8 +46,11 @@ class DeliveryWorker:
     records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
 
     def __init__(self, sink: Sink, outbox: Outbox, metrics: DeliveryMetrics, stop: threading.Event | None = None,
-                 backoff: Backoff | None = None, idle_refresh: float = 30.0) -> None:
+                 backoff: Backoff | None = None, idle_refresh: float = 30.0, batch_size: int = BATCH_SIZE) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1; got {batch_size}")
         self.sink = sink
+        self.batch_size = batch_size
         self._outbox = outbox
         self._metrics = metrics
         self._stop = stop or threading.Event()
@@ -92,7 +96,7 @@ class DeliveryWorker:
         attempt = 0
         while not self._stop.is_set():
             try:
-                batch = self._outbox.take(self.sink.name, BATCH_SIZE)
+                batch = self._outbox.take(self.sink.name, self.batch_size)
             except StoreError as exc:
                 self._failures.failing("store", f"cannot read the outbox: {exc}")
                 self._stop.wait(self._backoff.delay(attempt))
