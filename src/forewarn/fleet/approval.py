@@ -267,10 +267,14 @@ class FleetApprover:
         return True
 
     def _recover(self, changes: Sequence[FleetChange]) -> None:
-        """The policy's recover hooks, once for each event that completed."""
+        """The policy's recover hooks, once for each event that completed (none between two terms)."""
         for change in changes:
             if change.outcome is Outcome.COMPLETED and self.policy.recover:
-                self._hooks.submit(self._run_hooks, self.policy.recover, "recover", change.event, None)
+                try:
+                    self._hooks.submit(self._run_hooks, self.policy.recover, "recover", change.event, None)
+                except RuntimeError:   # the term ended meanwhile: its pool is shut down
+                    log.warning("event %s completed as this replica stopped being the active one: its recover "
+                                "hooks are not run", change.event.event.event_id)
 
     # --- rollout (the policy's `rollout`, fleet mode) -------------------------------------------------
     @staticmethod

@@ -191,9 +191,12 @@ class FleetCommitter:
                 self._inherited.difference_update(handover.digest(change.event) for change in known)
                 self.metrics.handed_over.inc(len(known))
         ended = [change for change in changes if change.kind is ChangeKind.REMOVED]
-        if ended:
-            self.on_ended(ended)
-        self.on_committed()
+        try:   # the listeners' troubles are theirs: the commit stands
+            if ended:
+                self.on_ended(ended)
+            self.on_committed()
+        except Exception:
+            log.exception("a listener of the fleet's commits failed")
         for change in changes:
             event = change.event.event
             log.info("event %s on %s %s: %s %s (NotBefore %s, resources %s)", event.event_id,
