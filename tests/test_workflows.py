@@ -268,7 +268,8 @@ def test_release_notes_are_the_newest_changelog_entry_for_the_current_version() 
     from forewarn import __version__
 
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-    newest = re.search(r"^## \[([^\]]+)\][^\n]*\n(.*?)(?=^## |\Z)", changelog, re.MULTILINE | re.DOTALL)
+    entries = re.finditer(r"^## \[([^\]]+)\][^\n]*\n(.*?)(?=^## |\Z)", changelog, re.MULTILINE | re.DOTALL)
+    newest = next((entry for entry in entries if entry.group(1).lower() != "unreleased"), None)  # not a release
     assert newest is not None and newest.group(1) == __version__
     for args in [(), (__version__,), (f"v{__version__}",)]:
         result = release_notes(*args)
