@@ -453,6 +453,9 @@ def test_end_to_end_a_queued_scale_set_event_drains_its_nodes_is_acknowledged_an
             queue.send_message(message("Completed", "m-2"))
             wait_until(lambda: not any(api.node(node)["spec"].get("unschedulable") for node in nodes), timeout=30,
                        message="both nodes released after Completed")
+            # each undo's record follows its patch, and the file sink follows the outbox: wait for both
+            wait_until(lambda: sum(r["data"].get("action") == "undo" for r in fleet.records()) == 2, timeout=30,
+                       message="the undo records in the file")
             text = fleet.metrics() or ""
             records = fleet.records()
         finally:

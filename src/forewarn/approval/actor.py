@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from forewarn.approval.policy import NodeAction
 from forewarn.imds.document import Event
+from forewarn.imds.instance import VmInfo
 from forewarn.metrics.exposition import NODE_ACTION_RESULTS as ACTION_RESULTS
 from forewarn.metrics.exposition import NODE_ACTIONS as ACTION_NAMES
+from forewarn.records import Record, drain_record, node_action_record
 
-__all__ = ["ACTION_NAMES", "ACTION_RESULTS", "DRAIN_PHASES", "ActionOutcome", "DrainProgress", "NodeActor", "Report"]
+__all__ = ["ACTION_NAMES", "ACTION_RESULTS", "DRAIN_PHASES", "ActionOutcome", "DrainProgress", "NodeActor", "Report",
+           "recording_report"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,27 @@ class DrainProgress:
 
 
 Report = Callable[[ActionOutcome | DrainProgress], None]
+
+
+def recording_report(nodes: Any, record: Callable[[Sequence[Record]], object], event: Event, vm: VmInfo, node: str,
+                     rule: str | None, incarnation: int, clock: Callable[[], float]) -> Report:
+    """The Report both modes hand a NodeActor: each outcome, and each step of a drain, counted in `nodes` (the
+    node-action families: Metrics or fleet mode's NodeMetrics) and recorded with `record` as it comes."""
+    def report(outcome: ActionOutcome | DrainProgress) -> None:
+        at = datetime.fromtimestamp(clock(), tz=timezone.utc)
+        if isinstance(outcome, DrainProgress):
+            nodes.node_drain_records.labels(outcome.phase).inc()
+            if outcome.phase == "deleted":
+                nodes.node_drain_pods.labels("deleted").inc()
+            elif outcome.phase in ("done", "failed"):
+                nodes.node_drain_pods.labels("evicted").inc(int(outcome.facts.get("evicted_count", 0)))
+            record([drain_record(event, vm, node, rule, outcome.phase, outcome.detail, outcome.facts, outcome.key,
+                                 incarnation, at)])
+            return
+        nodes.node_actions.labels(outcome.action, outcome.result).inc()
+        record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
+                                   incarnation, at)])
+    return report
 
 
 class NodeActor(Protocol):

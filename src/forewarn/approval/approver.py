@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
 
-from forewarn.approval.actor import ActionOutcome, DrainProgress, NodeActor
+from forewarn.approval.actor import ActionOutcome, DrainProgress, NodeActor, recording_report
 from forewarn.approval.hooks import run_hook
 from forewarn.approval.policy import Hook, Policy, Rule, decide
 from forewarn.approval.starter import Starter, StartError
 from forewarn.imds.document import Document, Event
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
-from forewarn.records import Record, approval_record, drain_record, node_action_record
+from forewarn.records import Record, approval_record
 from forewarn.retry import Backoff
 from forewarn.tracker import Change, ChangeKind, Outcome
 
@@ -447,23 +447,7 @@ class Approver:
         """Counts and records each outcome, and each step of a drain, as it comes (on the pool thread,
         outside the lock)."""
         assert self.actor is not None
-        node = self.actor.node
-
-        def report(outcome: ActionOutcome | DrainProgress) -> None:
-            at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
-            if isinstance(outcome, DrainProgress):
-                self.metrics.node_drain_records.labels(outcome.phase).inc()
-                if outcome.phase == "deleted":
-                    self.metrics.node_drain_pods.labels("deleted").inc()
-                elif outcome.phase in ("done", "failed"):
-                    self.metrics.node_drain_pods.labels("evicted").inc(int(outcome.facts.get("evicted_count", 0)))
-                self.record([drain_record(event, vm, node, rule, outcome.phase, outcome.detail, outcome.facts,
-                                          outcome.key, incarnation, at)])
-                return
-            self.metrics.node_actions.labels(outcome.action, outcome.result).inc()
-            self.record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
-                                            incarnation, at)])
-        return report
+        return recording_report(self.metrics, self.record, event, vm, self.actor.node, rule, incarnation, self.clock)
 
     def _prepare(self, rule: Rule, event: Event, vm: VmInfo, track: Track) -> None:
         ok = self._run_hooks(rule.prepare, "prepare", event, vm, rule.name)

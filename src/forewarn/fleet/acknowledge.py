@@ -28,10 +28,10 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 from forewarn.deadline import Deadline, Stopped
-from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, default_tls_context
+from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, default_tls_context
 from forewarn.fleet.armid import COMPUTE_NAMESPACE, ArmIdError, parse_arm_id
 from forewarn.retry import Backoff, parse_retry_after
 
@@ -75,15 +75,11 @@ class Acknowledger:
     def __init__(self, arm_endpoint: str, credential: TokenCredential, *, api_version: str = DEFAULT_API_VERSION,
                  timeout: float = 30.0, token_timeout: float = 60.0, attempts: int = 5, max_wait: float = 60.0,
                  stop: threading.Event | None = None, context: ssl.SSLContext | None = None) -> None:
-        parts = urlsplit(arm_endpoint)
-        if parts.scheme != "https" or not parts.hostname or parts.path.strip("/") or parts.query:
-            raise ValueError(f"arm_endpoint must be an https base URL such as https://management.azure.com; "
-                             f"got {arm_endpoint!r}")
+        self.endpoint, host, port = arm_base(arm_endpoint)
         if not api_version or not all(c.isalnum() or c == "-" for c in api_version):
             raise ValueError(f"api_version {api_version!r} is not an api-version such as {DEFAULT_API_VERSION}")
         if attempts < 1 or timeout <= 0 or token_timeout <= 0 or max_wait < 0:
             raise ValueError("attempts, timeout and token_timeout must be positive, max_wait not negative")
-        self.endpoint = f"https://{parts.netloc}"
         self.api_version = api_version
         self.timeout = timeout
         self.attempts = attempts
@@ -91,7 +87,7 @@ class Acknowledger:
         self.stop = stop
         self.list_form = api_version in LIST_FORM_VERSIONS
         self._tokens = Tokens(credential, f"{self.endpoint}/.default", token_timeout, AcknowledgeError)
-        self._wire = ArmConnection(parts.hostname, parts.port or 443, context or default_tls_context(), timeout,
+        self._wire = ArmConnection(host, port, context or default_tls_context(), timeout,
                                    MAX_REPLY_BYTES, lambda: AcknowledgeError(
                                        f"acknowledge: reply larger than {MAX_REPLY_BYTES} bytes; connection dropped"))
         self._backoff = Backoff(base=1.0, cap=max(max_wait, 0.001))

@@ -78,6 +78,7 @@ class _Track:
     acting: _Work = field(default_factory=lambda: _Work())      # the rule's node actions
     nodes: dict[str, str] = field(default_factory=dict)         # ... on which nodes (node -> VM ID)
     preparing: _Work = field(default_factory=lambda: _Work())   # the rule's prepare hooks
+    place: Place | None = None                                  # where `event` is (computed once per event)
 
 
 def place_of(event: FleetEvent) -> Place:
@@ -180,7 +181,10 @@ class FleetApprover:
             self._hooks.shutdown(wait=False, cancel_futures=True)
 
     def step(self, stop: threading.Event | None = None) -> None:
-        """One look at the open events: decide, then acknowledge what is due, target by target."""
+        """One look at the open events: decide, then acknowledge what is due, target by target. A replica that
+        is not the active one (its term ending) starts nothing: no node action, undo or acknowledgement."""
+        if not self.active():
+            return
         events = {event_key(event): event for event in self.open_events()}
         index = self._node_index(events)   # a Kubernetes request, outside the lock
         with self._lock:
@@ -218,8 +222,9 @@ class FleetApprover:
                     self._say(track, fleet_event, "approved by the previous active replica")
             if track.stage != "waiting" or now < track.next_attempt:
                 continue
-            track.event = fleet_event
-            decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, place_of(fleet_event))
+            if track.place is None or track.event is not fleet_event:
+                track.event, track.place = fleet_event, place_of(fleet_event)
+            decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, track.place)
             if decision.rule is not None and decision.rule.node and not self._acted(track, decision.rule, index):
                 continue
             if decision.action != "approve" or decision.rule is None:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from forewarn import __version__
 from forewarn.deadline import Deadline, DeadlineConnection
@@ -55,6 +56,16 @@ class TokenCredential(Protocol):
     """azure-core's TokenCredential, which every azure-identity credential implements."""
 
     def get_token(self, *scopes: str, **kwargs: Any) -> AccessTokenLike: ...
+
+
+def arm_base(arm_endpoint: str) -> tuple[str, str, int]:
+    """(base URL, host, port) of ARM's base URL; ValueError unless it is https with no path or query (every
+    request carries a bearer token)."""
+    parts = urlsplit(arm_endpoint)
+    if parts.scheme != "https" or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"arm_endpoint must be an https base URL such as https://management.azure.com; "
+                         f"got {arm_endpoint!r}")
+    return f"https://{parts.netloc}", parts.hostname, parts.port or 443
 
 
 def default_tls_context() -> ssl.SSLContext:

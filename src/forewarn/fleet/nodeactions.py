@@ -22,17 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
-from forewarn.approval.actor import ActionOutcome, DrainProgress
+from forewarn.approval.actor import ActionOutcome, DrainProgress, recording_report
 from forewarn.approval.policy import Rule
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.nodes import NodeIndex, load_nodes
 from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
-from forewarn.records import Record, drain_record, node_action_record
+from forewarn.records import Record
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +101,8 @@ class FleetNodes:
         """Run `rule`'s node actions on each of `nodes` (at once, one thread each); the future is True when
         every node's actions succeeded."""
         assert self._pool is not None
-        pool = self._pool
-        parts = [pool.submit(self._act_one, event, rule, node, vm, dry_run) for node, vm in nodes.items()]
-
-        def all_of() -> bool:
-            return all([part.result() for part in parts])   # every part waited for, none cut short
-        return pool.submit(all_of) if parts else _done(True)
+        parts = [self._pool.submit(self._act_one, event, rule, node, vm, dry_run) for node, vm in nodes.items()]
+        return _all(parts)
 
     def undo(self, event: Event, nodes: Mapping[str, str], dry_run: bool, fleet_event: FleetEvent | None) -> None:
         """Take back what was applied for `event` on each of `nodes` (node -> VM ID, or node -> "" when the VM is
@@ -190,22 +185,8 @@ class FleetNodes:
 
     def _reporter(self, event: Event, vm: VmInfo, node: str,
                   rule: str | None) -> Callable[[ActionOutcome | DrainProgress], None]:
-        def report(outcome: ActionOutcome | DrainProgress) -> None:
-            at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
-            nodes = self.metrics.nodes
-            if isinstance(outcome, DrainProgress):
-                nodes.node_drain_records.labels(outcome.phase).inc()
-                if outcome.phase == "deleted":
-                    nodes.node_drain_pods.labels("deleted").inc()
-                elif outcome.phase in ("done", "failed"):
-                    nodes.node_drain_pods.labels("evicted").inc(int(outcome.facts.get("evicted_count", 0)))
-                self.record([drain_record(event, vm, node, rule, outcome.phase, outcome.detail, outcome.facts,
-                                          outcome.key, FLEET_INCARNATION, at)])
-                return
-            nodes.node_actions.labels(outcome.action, outcome.result).inc()
-            self.record([node_action_record(event, vm, node, rule, outcome.action, outcome.result, outcome.detail,
-                                            FLEET_INCARNATION, at)])
-        return report
+        return recording_report(self.metrics.nodes, self.record, event, vm, node, rule, FLEET_INCARNATION,
+                                self.clock)
 
     def _count(self, table: dict[str, Any], node: str, value: float) -> None:
         """The gauges over every node: drains under way (a sum), blocked since (the earliest)."""
@@ -226,7 +207,21 @@ def left_over(event_id: str) -> Event:
                  raw={"EventId": event_id, "EventType": "", "EventStatus": ""})
 
 
-def _done(value: bool) -> Future[bool]:
-    future: Future[bool] = Future()
-    future.set_result(value)
-    return future
+def _all(parts: Sequence[Future[bool]]) -> Future[bool]:
+    """A future done when every part is, True when all were (no thread waits for them)."""
+    whole: Future[bool] = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def one_done(_part: Future[bool]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            whole.set_result(all(not part.cancelled() and part.exception() is None and part.result()
+                                 for part in parts))
+    if not parts:
+        whole.set_result(True)
+    for part in parts:
+        part.add_done_callback(one_done)
+    return whole

@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from forewarn.deadline import Deadline, Stopped
-from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, default_tls_context
+from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, default_tls_context
 from forewarn.imds.reply import ReplyError, capped, decode_reply
 from forewarn.retry import Backoff, parse_retry_after
 
@@ -191,10 +191,7 @@ class ResourceGraphClient:
                  page_size: int = MAX_PAGE_SIZE, attempts: int = 4, max_wait: float = 60.0,
                  max_rows: int = DEFAULT_MAX_ROWS, stop: threading.Event | None = None,
                  context: ssl.SSLContext | None = None) -> None:
-        parts = urlsplit(arm_endpoint)
-        if parts.scheme != "https" or not parts.hostname or parts.path.strip("/") or parts.query:
-            raise ValueError(f"arm_endpoint must be an https base URL such as {DEFAULT_ARM_ENDPOINT}; "
-                             f"got {arm_endpoint!r}")
+        self.endpoint, self.host, self.port = arm_base(arm_endpoint)
         if not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page_size must be 1 to {MAX_PAGE_SIZE}; got {page_size}")
         if not 1 <= batch_size <= 1000:
@@ -202,9 +199,6 @@ class ResourceGraphClient:
         if attempts < 1 or timeout <= 0 or token_timeout <= 0 or max_wait < 0 or max_reply_bytes < 1 or max_rows < 1:
             raise ValueError("attempts, timeout, token_timeout, max_reply_bytes and max_rows must be positive, "
                              "max_wait not negative")
-        self.endpoint = f"https://{parts.netloc}"
-        self.host = parts.hostname
-        self.port = parts.port or 443
         self.api_version = api_version
         self.scope = f"{self.endpoint}/.default"
         self.timeout = timeout
