@@ -266,8 +266,9 @@ def test_prepare_hooks_run_once_per_event_before_its_approval_and_a_failing_one_
     assert arm.received.acks == []
     wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2, timeout=30,
                message="both prepare hooks")
-    for _ in range(3):
-        harness.step(1)
+    # the hooks' results come back once their processes have ended: step until the approval follows them
+    wait_until(lambda: harness.step(1) or arm.received.acks, timeout=30, message="the approval after the hooks")
+    harness.step(1)
     assert [event for _, event, _, _ in arm.received.acks] == [web.event.event_id]   # the failing one holds
     assert sorted(log.read_text().splitlines()) == sorted([f"prepare {web.event.event_id} web-1",
                                                             f"prepare {failing.event.event_id} web-2"])
