@@ -127,7 +127,7 @@ class Harness:
         self.approver.step(threading.Event())
 
     def approved(self, result: str = "approved") -> float:
-        return sum(self.metrics.approvals.labels(t, result)._value.get() for t in ("Reboot", "Freeze"))
+        return sum(self.metrics.approvals.labels(t, result).value for t in ("Reboot", "Freeze"))
 
 
 def test_events_are_acknowledged_once_by_rule_with_a_record_per_vm(arm: ArmPeer) -> None:
@@ -272,7 +272,7 @@ def test_prepare_hooks_run_once_per_event_before_its_approval_and_a_failing_one_
     assert [event for _, event, _, _ in arm.received.acks] == [web.event.event_id]   # the failing one holds
     assert sorted(log.read_text().splitlines()) == sorted([f"prepare {web.event.event_id} web-1",
                                                             f"prepare {failing.event.event_id} web-2"])
-    assert harness.metrics.hook_runs.labels("prepare", "failure")._value.get() == 1
+    assert harness.metrics.hook_runs.labels("prepare", "failure").value == 1
     from forewarn.fleet.tracker import EndedBy, FleetChange
     from forewarn.tracker import ChangeKind, Outcome
 

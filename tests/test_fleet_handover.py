@@ -41,7 +41,7 @@ def test_a_successor_announces_only_what_its_predecessor_did_not(tmp_path: Path)
     moved = news("Started", "E-2")
     second.snapshot([news("Scheduled", "E-1"), moved, news("Scheduled", "E-3")], started_at=99.0, complete=True)
     assert records(second.outbox) == ["added:E-2", "added:E-3"]   # E-1 as announced; E-2 changed; E-3 new
-    assert second.metrics.handed_over._value.get() == 1
+    assert second.metrics.handed_over.value == 1
     assert {event.event.event_id for event in second.tracker.open_events} == {"E-1", "E-2", "E-3"}
     # the complete snapshot ended the inheritance; the tracker knows E-1 now, so later news is ordinary
     second.snapshot([news("Started", "E-1"), moved, news("Scheduled", "E-3")], started_at=99.0, complete=True)

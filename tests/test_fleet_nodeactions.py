@@ -121,7 +121,7 @@ def test_the_event_s_nodes_are_drained_before_its_one_approval_and_released_when
             assert api.node(node)["spec"].get("unschedulable") is True
             assert ("cordon" in [a for n, a, _ in replica.kinds() if n == node])
         assert sorted(pod["metadata"]["name"] for pod in api.pods()) == ["proxy-0"]
-        assert replica.metrics.vms_without_node._value.get() == 1
+        assert replica.metrics.vms_without_node.value == 1
         approved = wait_until(lambda: [r for r in list(replica.records) if r.data["change"] == "approved"],
                               timeout=10, message="the approved records (written after the call)")
         assert len(approved) == 3 and {r.data["policy_rule"] for r in approved} == {"pool-reboots"}

@@ -24,21 +24,17 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
-
 from forewarn import __version__
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
 from forewarn.imds.document import EVENT_TYPES
+from forewarn.metrics.core import EOF, Counter, Family, Gauge, Registry, negotiate
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.metrics.exposition import NodeMetrics
 from forewarn.outbox.store import Backlog
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
-_EOF = b"# EOF\n"
 PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
 
 
@@ -67,10 +63,10 @@ class FleetMetrics:
         self.api_version = api_version
         #: Whether this replica is the active one (holds the Lease; always without one), read at scrape time.
         self.active: Callable[[], bool] = lambda: True
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = Registry()
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()
-        self._cached_key: tuple[object, object] | None = None
+        self._cached_key: tuple[int, bool] | None = None
         self._cached_text = b""
         self._view = FleetView(sources={name: SourceHealth() for name in sources})
         self.views = self  # what the delivery workers report backlogs to (DeliveryMetrics)
@@ -185,18 +181,29 @@ class FleetMetrics:
         """The exposition in the format the Accept header asks for (text, or OpenMetrics): the open events'
         families from a cache kept until they change (20,000 series for 2,000 events on 5 VMs each take
         about half a second to render), then the live families, fresh."""
-        encoder, content_type = choose_encoder(accept)
+        openmetrics, content_type = negotiate(accept)
         view = self._view
         with self._render_lock:
-            if self._cached_key != (view.events_version, encoder):
-                registry = CollectorRegistry(auto_describe=True)
-                registry.register(_EventFamilies(
-                    view.events, {key: at for key, (_, at) in view.status_since.items()}))
-                text = encoder(registry)
-                self._cached_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
-                self._cached_key = (view.events_version, encoder)
+            if self._cached_key != (view.events_version, openmetrics):
+                self._cached_text = b""  # not kept beside its successor while that is written
+                families = _EventFamilies(view.events, {key: at for key, (_, at) in view.status_since.items()})
+                self._cached_text = _encode(families.collect(), openmetrics)
+                self._cached_key = (view.events_version, openmetrics)
             cached = self._cached_text
-        return cached + encoder(self.registry), content_type
+        out: list[str] = []
+        self.registry.write(out, openmetrics)
+        return b"".join((cached, "".join(out).encode(), EOF if openmetrics else b"")), content_type
+
+
+def _encode(families: Iterator[Family], openmetrics: bool) -> bytes:
+    """Families as UTF-8, one family at a time: at 10,000 VM series the text of all of them at once would be
+    one more copy of megabytes."""
+    parts = []
+    for family in families:
+        out: list[str] = []
+        family.write(out, openmetrics)
+        parts.append("".join(out).encode())
+    return b"".join(parts)
 
 
 class _EventFamilies:
@@ -207,7 +214,7 @@ class _EventFamilies:
         self._events = events
         self._status_since = status_since
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         by_scope: Tally[tuple[str, str, str, str]] = Tally()
         rows = []
         for fleet_event in self._events:
@@ -219,11 +226,11 @@ class _EventFamilies:
                 places.append((vm.name, vm.vm_scale_set, vm.resource_group, vm.subscription_id))
             rows.append(OpenEvent(event, True, self._status_since.get(event_key(fleet_event)), tuple(places)))
         yield from event_families(rows, PLACE_LABELS)
-        scoped = GaugeMetricFamily("azure_scheduled_events_by_scope",
-                                   "Open events by type, status, subscription and resource group.",
-                                   labels=["event_type", "event_status", "subscription_id", "resource_group"])
+        scoped = Family("azure_scheduled_events_by_scope",
+                        "Open events by type, status, subscription and resource group.",
+                        labels=["event_type", "event_status", "subscription_id", "resource_group"])
         for scope_key, count in sorted(by_scope.items()):
-            scoped.add_metric(list(scope_key), count)
+            scoped.add(list(scope_key), count)
         yield scoped
 
 
@@ -233,39 +240,39 @@ class _ViewCollector:
     def __init__(self, metrics: FleetMetrics) -> None:
         self._metrics = metrics
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         view = self._metrics.view
-        up = GaugeMetricFamily("azure_scheduled_events_source_up", "1 if the source's last read succeeded.",
-                               labels=["source"])
-        last = GaugeMetricFamily("azure_scheduled_events_source_last_success_timestamp_seconds",
-                                 "Time of the source's last successful read.", labels=["source"])
+        up = Family("azure_scheduled_events_source_up", "1 if the source's last read succeeded.",
+                    labels=["source"])
+        last = Family("azure_scheduled_events_source_last_success_timestamp_seconds",
+                      "Time of the source's last successful read.", labels=["source"])
         for name, health in sorted(view.sources.items()):
-            up.add_metric([name], 1 if health.up else 0)
+            up.add([name], 1 if health.up else 0)
             if health.last_success is not None:
-                last.add_metric([name], health.last_success)
+                last.add([name], health.last_success)
         yield up
         yield last
         if view.quota_remaining is not None:
-            yield GaugeMetricFamily("azure_scheduled_events_resourcegraph_quota_remaining",
-                                    "Resource Graph queries left in the current throttling window.",
-                                    value=view.quota_remaining)
+            yield Family("azure_scheduled_events_resourcegraph_quota_remaining",
+                         "Resource Graph queries left in the current throttling window.",
+                         value=view.quota_remaining)
         if view.reconcile_seconds is not None:
-            yield GaugeMetricFamily("azure_scheduled_events_reconcile_duration_seconds",
-                                    "How long the last Resource Graph snapshot took.", value=view.reconcile_seconds)
-        waiting = GaugeMetricFamily("azure_scheduled_events_outbox_records", "Records waiting for the sink.",
-                                    labels=["sink"])
-        oldest = GaugeMetricFamily("azure_scheduled_events_outbox_oldest_record_age_seconds",
-                                   "Age of the oldest waiting record, 0 if none.", labels=["sink"])
+            yield Family("azure_scheduled_events_reconcile_duration_seconds",
+                         "How long the last Resource Graph snapshot took.", value=view.reconcile_seconds)
+        waiting = Family("azure_scheduled_events_outbox_records", "Records waiting for the sink.",
+                         labels=["sink"])
+        oldest = Family("azure_scheduled_events_outbox_oldest_record_age_seconds",
+                        "Age of the oldest waiting record, 0 if none.", labels=["sink"])
         now = time.time()
         for sink, backlog in sorted(view.backlogs.items()):
-            waiting.add_metric([sink], backlog.records)
-            oldest.add_metric([sink], max(0.0, now - backlog.oldest_created) if backlog.oldest_created else 0.0)
+            waiting.add([sink], backlog.records)
+            oldest.add([sink], max(0.0, now - backlog.oldest_created) if backlog.oldest_created else 0.0)
         yield waiting
         yield oldest
-        yield GaugeMetricFamily("azure_scheduled_events_fleet_active", "1 on the replica that reads the sources "
-                                "and publishes (the Lease holder), 0 on a standby.",
-                                value=1 if self._metrics.active() else 0)
-        build = GaugeMetricFamily("azure_scheduled_events_build_info", "forewarn's version (1); in fleet mode "
-                                  "api_version is Resource Graph's.", labels=["version", "api_version", "mode"])
-        build.add_metric([__version__, self._metrics.api_version, "fleet"], 1)
+        yield Family("azure_scheduled_events_fleet_active", "1 on the replica that reads the sources "
+                     "and publishes (the Lease holder), 0 on a standby.",
+                     value=1 if self._metrics.active() else 0)
+        build = Family("azure_scheduled_events_build_info", "forewarn's version (1); in fleet mode "
+                       "api_version is Resource Graph's.", labels=["version", "api_version", "mode"])
+        build.add([__version__, self._metrics.api_version, "fleet"], 1)
         yield build

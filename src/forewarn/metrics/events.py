@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event
+from forewarn.metrics.core import Family
 
 #: Longest label value kept; a longer one (a description, a source) is cut and ends with "...".
 MAX_LABEL_CHARS = 512
@@ -47,20 +46,20 @@ class OpenEvent:
     places: tuple[tuple[str, ...], ...] = ((),)
 
 
-def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()) -> Iterator[Metric]:
+def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()) -> Iterator[Family]:
     """The five families of the open events. `place_labels` names the values in each `OpenEvent.places`."""
     place = list(place_labels)
     ids = ["event_id", "event_type"]
-    info = GaugeMetricFamily("azure_scheduled_event_info", "A scheduled event that is open now (1).",
-                             labels=[*ids, "event_status", "event_source", "resource_type", "affects_this_vm",
-                                     "description", *place])
-    not_before = GaugeMetricFamily("azure_scheduled_event_not_before_timestamp_seconds",
-                                   "NotBefore as Unix time; absent while NotBefore is empty.", labels=[*ids, *place])
-    duration = GaugeMetricFamily("azure_scheduled_event_duration_seconds",
-                                 "DurationInSeconds of the event (-1 = unknown).", labels=[*ids, *place])
-    since = GaugeMetricFamily("azure_scheduled_event_status_since_timestamp_seconds",
-                              "When forewarn first saw the event in its current status (Unix time; reset to the "
-                              "start time after a restart).", labels=[*ids, "event_status", *place])
+    info = Family("azure_scheduled_event_info", "A scheduled event that is open now (1).",
+                  labels=[*ids, "event_status", "event_source", "resource_type", "affects_this_vm",
+                          "description", *place])
+    not_before = Family("azure_scheduled_event_not_before_timestamp_seconds",
+                        "NotBefore as Unix time; absent while NotBefore is empty.", labels=[*ids, *place])
+    duration = Family("azure_scheduled_event_duration_seconds",
+                      "DurationInSeconds of the event (-1 = unknown).", labels=[*ids, *place])
+    since = Family("azure_scheduled_event_status_since_timestamp_seconds",
+                   "When forewarn first saw the event in its current status (Unix time; reset to the "
+                   "start time after a restart).", labels=[*ids, "event_status", *place])
     counts: dict[tuple[str, str, str], int] = {
         (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
     }
@@ -71,18 +70,18 @@ def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()
                        label(event.description)]
         for where in row.places:
             series = [event.event_id, event.event_type, *where]
-            info.add_metric([*info_labels, *where], 1)
+            info.add([*info_labels, *where], 1)
             if event.not_before is not None:
-                not_before.add_metric(series, event.not_before.timestamp())
+                not_before.add(series, event.not_before.timestamp())
             if event.duration_seconds is not None:
-                duration.add_metric(series, event.duration_seconds)
+                duration.add(series, event.duration_seconds)
             if row.status_since is not None:
-                since.add_metric([event.event_id, event.event_type, event.status, *where], row.status_since)
+                since.add([event.event_id, event.event_type, event.status, *where], row.status_since)
         key = (event.event_type, event.status, source)
         counts[key] = counts.get(key, 0) + 1
     yield from (info, not_before, duration, since)
-    aggregate = GaugeMetricFamily("azure_scheduled_events", "Open events by type, status and source.",
-                                  labels=["event_type", "event_status", "event_source"])
+    aggregate = Family("azure_scheduled_events", "Open events by type, status and source.",
+                       labels=["event_type", "event_status", "event_source"])
     for (event_type, status, source), count in sorted(counts.items()):
-        aggregate.add_metric([event_type, status, source], count)
+        aggregate.add([event_type, status, source], count)
     yield aggregate

@@ -14,13 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
-
 from forewarn import DEFAULT_API_VERSION, __version__
-from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
+from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES, Document
+from forewarn.metrics.core import EOF, Counter, Family, Gauge, Histogram, Registry, negotiate
 from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.view import ViewHolder
 from forewarn.outbox.store import Backlog
@@ -35,18 +31,13 @@ NODE_ACTION_RESULTS = ("ok", "failed", "dry_run", "skipped")
 #: What became of the pods a drain removed: evicted (the Eviction API) or deleted at the deadline.
 DRAIN_POD_OUTCOMES = ("evicted", "deleted")
 
-_EOF = b"# EOF\n"  # OpenMetrics ends with this line; it must come once, at the very end
-
-# `_created` series double the exposition for no use in alerting; node_exporter has none either.
-disable_created_metrics()  # type: ignore[no-untyped-call]
-
 
 class Metrics:
     """All forewarn metrics in one registry (never the global one, so tests can run many), and `views`,
     the holder of the View they are rendered from."""
 
     def __init__(self, api_version: str = DEFAULT_API_VERSION, clock: Callable[[], float] = time.time):
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = Registry()
         self.views = ViewHolder()
         r = self.registry
         self.observed = Counter(
@@ -136,7 +127,7 @@ class NodeMetrics:
     """The families of Kubernetes node actions, the same in both modes (the per-VM agent acts on its own node,
     fleet mode on the nodes of the VMs its events hit)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: Registry) -> None:
         self.node_actions = Counter(
             "azure_scheduled_events_node_actions_total",
             "Kubernetes node actions carried out, by action and result.", ["action", "result"], registry=registry)
@@ -172,23 +163,22 @@ class SharedRendering:
     value is still computed at the scrape's own time): 50 scrapers in phase cost about two renderings,
     not fifty, and leave the poll thread its share of the interpreter."""
 
-    def __init__(self, views: ViewHolder, live: CollectorRegistry) -> None:
+    def __init__(self, views: ViewHolder, live: Registry) -> None:
         self._views = views
         self._live = live
-        self._documents = CollectorRegistry(auto_describe=True)
-        self._documents.register(DocumentFamilies(views))
+        self._documents = DocumentFamilies(views)
         self._cache_lock = threading.Lock()
         self._cache_key: tuple[Any, ...] = ()
         self._cache_text = b""
         self._flight = threading.Condition()
         self._in_flight: set[str] = set()                  # content types being rendered now
-        self._done: dict[str, tuple[float, bytes]] = {}     # content type -> (start, body) of the last
+        self._done: dict[str, tuple[float, bytes]] = {}     # content type -> (start, body) of the last one
         self.renders = 0
         self.document_renders = 0
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The whole exposition for an Accept header, and its content type."""
-        encoder, content_type = choose_encoder(accept)
+        openmetrics, content_type = negotiate(accept)
         arrived = time.perf_counter()
         with self._flight:
             while True:
@@ -202,7 +192,7 @@ class SharedRendering:
         body = None
         try:
             started = time.perf_counter()
-            body = self._render(encoder)
+            body = self._render(openmetrics)
             return body, content_type
         finally:
             with self._flight:
@@ -212,23 +202,27 @@ class SharedRendering:
                     self.renders += 1
                 self._flight.notify_all()
 
-    def _render(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
+    def _render(self, openmetrics: bool) -> bytes:
         """The document families from a text cache that is rebuilt only when the document, the VM or a
         status changes (the view keeps the same objects otherwise), then everything else, fresh."""
         view = self._views.view
-        key = (encoder, view.document, view.vm, view.status_since)
+        key = (openmetrics, view.document, view.vm, view.status_since)
         with self._cache_lock:
             if len(key) != len(self._cache_key) or any(
                     a is not b for a, b in zip(key, self._cache_key, strict=True)):
-                text = encoder(self._documents)
-                self._cache_text = text[: -len(_EOF)] if text.endswith(_EOF) else text
+                out: list[str] = []
+                for family in self._documents.collect():
+                    family.write(out, openmetrics)
+                self._cache_text = "".join(out).encode()
                 self._cache_key = key
                 self.document_renders += 1
             cached = self._cache_text
-        return cached + encoder(self._live)
+        out = []
+        self._live.write(out, openmetrics)
+        return b"".join((cached, "".join(out).encode(), EOF if openmetrics else b""))
 
 
-class DocumentFamilies(Collector):
+class DocumentFamilies:
     """The families that change only when the document, the VM or an event's status does: the open events'
     (forewarn.metrics.events, shared with fleet mode) and the VM's identity. Their text is rendered once per
     such change (see `SharedRendering`), not once per scrape."""
@@ -236,65 +230,73 @@ class DocumentFamilies(Collector):
     def __init__(self, views: ViewHolder) -> None:
         self._views = views
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         view = self._views.view
         yield from event_families(
             OpenEvent(event, event.affects(view.vm.name), view.status_since.get(event.event_id))
             for event in (view.document.events if view.document else ()))
         vm = view.vm
-        vm_info = GaugeMetricFamily("azure_scheduled_events_vm_info", "This VM's identity from instance metadata (1).",
-                                    labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
-                                            "subscription_id", "location", "zone"])
-        vm_info.add_metric([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
+        vm_info = Family("azure_scheduled_events_vm_info", "This VM's identity from instance metadata (1).",
+                         labels=["vm_name", "vm_id", "vm_scale_set", "resource_group",
+                                 "subscription_id", "location", "zone"])
+        vm_info.add([vm.name, vm.vm_id, vm.vm_scale_set, vm.resource_group, vm.subscription_id,
                             vm.location, vm.zone], 1)
         yield vm_info
 
 
-class LiveFamilies(Collector):
+class LiveFamilies:
     """The families that depend on the scrape moment or on health, built at every scrape."""
 
     def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
         self._views = views
         self._api_version = api_version
         self._clock = clock
+        #: The countdown's series (text up to the value, NotBefore) for the document they were written for:
+        #: only the values change from one scrape to the next.
+        self._countdown: tuple[Document | None, tuple[tuple[str, float], ...]] = (None, ())
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         view = self._views.view
         now = self._clock()
-        countdown = GaugeMetricFamily("azure_scheduled_event_seconds_to_not_before",
-                                      "Seconds from now until NotBefore (negative once passed).",
-                                      labels=["event_id", "event_type"])
-        for event in view.document.events if view.document else ():
-            if event.not_before is not None:
-                countdown.add_metric([event.event_id, event.event_type], event.not_before.timestamp() - now)
+        countdown = Family("azure_scheduled_event_seconds_to_not_before",
+                           "Seconds from now until NotBefore (negative once passed).",
+                           labels=["event_id", "event_type"])
+        document, series = self._countdown
+        if document is not view.document:
+            series = tuple((countdown.series([event.event_id, event.event_type]), event.not_before.timestamp())
+                           for event in (view.document.events if view.document else ())
+                           if event.not_before is not None)
+            self._countdown = (view.document, series)
+        for text, not_before in series:
+            countdown.add_series(text, not_before - now)
         yield countdown
-        incarnation = GaugeMetricFamily("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
+        incarnation = Family("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
         if view.document is not None:
-            incarnation.add_metric([], view.document.incarnation)
+            incarnation.add([], view.document.incarnation)
         yield incarnation
-        yield GaugeMetricFamily("azure_scheduled_events_imds_up", "1 if the last IMDS poll succeeded, else 0.",
-                                value=1 if view.imds_up else 0)
-        last = GaugeMetricFamily("azure_scheduled_events_imds_last_success_timestamp_seconds",
-                                 "Unix time of the last successful poll.")
+        yield Family("azure_scheduled_events_imds_up", "1 if the last IMDS poll succeeded, else 0.",
+                     value=1 if view.imds_up else 0)
+        last = Family("azure_scheduled_events_imds_last_success_timestamp_seconds",
+                      "Unix time of the last successful poll.")
         if view.last_success is not None:
-            last.add_metric([], view.last_success)
+            last.add([], view.last_success)
         yield last
 
-        outbox = GaugeMetricFamily("azure_scheduled_events_outbox_records", "Records waiting for delivery, by sink.",
-                                   labels=["sink"])
-        oldest = GaugeMetricFamily("azure_scheduled_events_outbox_oldest_record_age_seconds",
-                                   "Age of the oldest record waiting for the sink (0 when none).",
-                                   labels=["sink"])
+        outbox = Family("azure_scheduled_events_outbox_records", "Records waiting for delivery, by sink.",
+                        labels=["sink"])
+        oldest = Family("azure_scheduled_events_outbox_oldest_record_age_seconds",
+                        "Age of the oldest record waiting for the sink (0 when none).",
+                        labels=["sink"])
         for sink, backlog in sorted(view.backlogs.items()):
-            outbox.add_metric([sink], backlog.records)
+            outbox.add([sink], backlog.records)
             age = now - backlog.oldest_created if backlog.oldest_created is not None else 0.0
-            oldest.add_metric([sink], max(age, 0.0))
+            oldest.add([sink], max(age, 0.0))
         yield outbox
         yield oldest
-        yield GaugeMetricFamily("azure_scheduled_events_state_writable",
-                                "1 if the state dir accepts writes, 0 while records are held in memory.",
-                                value=1 if view.store_writable else 0)
-        build = GaugeMetricFamily("azure_scheduled_events_build_info", "forewarn build (1).",
-                                  labels=["version", "api_version"])
-        build.add_metric([__version__, self._api_version], 1)
+        yield Family("azure_scheduled_events_state_writable",
+                     "1 if the state dir accepts writes, 0 while records are held in memory.",
+                     value=1 if view.store_writable else 0)
+        build = Family("azure_scheduled_events_build_info", "forewarn build (1).",
+                       labels=["version", "api_version"])
+        build.add([__version__, self._api_version], 1)
         yield build
