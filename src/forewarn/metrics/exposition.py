@@ -267,8 +267,8 @@ class LiveFamilies:
                            for event in (view.document.events if view.document else ())
                            if event.not_before is not None)
             self._countdown = (view.document, series)
-        for text, not_before in series:
-            countdown.add_series(text, not_before - now)
+        # To the millisecond: it is written at every scrape, and more digits would tell nothing.
+        countdown.add_samples(((text, not_before - now) for text, not_before in series), decimals=3)
         yield countdown
         incarnation = Family("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
         if view.document is not None:
