@@ -4,7 +4,10 @@
   memory, with nothing but polling, at 1 and 5 polls/s; forewarn with Prometheus only, with the file
   sink, and with every sink configured (file, stdout, OTLP gRPC to a local receiver, Event Hubs to the
   local AMQP 1.0 peer); the baseline at the same rates. Polls are counted at the simulator.
-- scrape: /metrics latency with 0, 10, 100 and 1,000 events (sequential scrapes), then 50 scrapers with
+- scrape: /metrics latency with 0, 10, 100 and 1,000 events (sequential scrapes on one kept-alive
+  connection, as Prometheus scrapes, by a raw-socket client whose own cost is small: `requests` added about
+  1 ms to each), beside a floor measured by the same client in the same run: a bare single-threaded
+  server answering the same 100-event exposition from memory. Then 50 scrapers with
   100 events, each scraping once a second and all at the same moment (50 requests at once, every
   second), while the poll cadence is measured at the simulator (jitter = how far each gap between
   polls is from the interval).
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -108,15 +112,86 @@ def fill(sim: Simulator, collector: Collector, events: int) -> None:
         time.sleep(0.1)
 
 
-def sequential(url: str, scrapes: int) -> dict[str, Any]:
-    session = requests.Session()
-    latencies = []
-    for _ in range(scrapes):
+class KeptAlive:
+    """GET /metrics again and again on one connection: the time from sending the request to the last byte
+    of the body."""
+
+    def __init__(self, port: int) -> None:
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._request = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: text/plain\r\n\r\n".encode()
+        self._buffer = bytearray()
+
+    def get(self) -> tuple[float, bytes]:
         started = time.perf_counter()
-        response = session.get(url)
-        response.raise_for_status()
-        latencies.append(time.perf_counter() - started)
-    return summary_ms(latencies) | {"bytes": len(response.content)}
+        self._sock.sendall(self._request)
+        while (end := self._buffer.find(b"\r\n\r\n")) < 0:
+            self._buffer += self._receive()
+        head = bytes(self._buffer[:end]).decode("latin-1").lower()
+        length = int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
+        while len(self._buffer) < end + 4 + length:
+            self._buffer += self._receive()
+        body = bytes(self._buffer[end + 4:end + 4 + length])
+        del self._buffer[:end + 4 + length]
+        return time.perf_counter() - started, body
+
+    def _receive(self) -> bytes:
+        data = self._sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        return data
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def sequential(port: int, scrapes: int) -> dict[str, Any]:
+    client = KeptAlive(port)
+    try:
+        latencies = []
+        body = b""
+        for _ in range(scrapes):
+            seconds, body = client.get()
+            latencies.append(seconds)
+    finally:
+        client.close()
+    return summary_ms(latencies) | {"bytes": len(body)}
+
+
+def serve_floor(port_file: str, body_file: str) -> None:
+    """(Run as a child.) The floor: one thread, one connection at a time, the same reply from memory."""
+    body = Path(body_file).read_bytes()
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {len(body)}\r\n\r\n"
+    reply = head.encode() + body
+    listener = socket.create_server(("127.0.0.1", 0))
+    Path(port_file).write_text(str(listener.getsockname()[1]))
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pending = b""
+        while data := conn.recv(65536):
+            pending += data
+            while b"\r\n\r\n" in pending:
+                pending = pending.split(b"\r\n\r\n", 1)[1]
+                conn.sendall(reply)
+        conn.close()
+
+
+def floor(body: bytes, scrapes: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        body_file, port_file = Path(tmp) / "body", Path(tmp) / "port"
+        body_file.write_bytes(body)
+        child = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(port_file), str(body_file)])
+        try:
+            deadline = time.monotonic() + 10
+            while not port_file.exists() or not port_file.read_text():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the floor server did not start")
+                time.sleep(0.02)
+            return sequential(int(port_file.read_text()), scrapes)
+        finally:
+            child.kill()
+            child.wait()
 
 
 async def _scraper(host: str, port: int, rounds: int, latencies: list[float]) -> None:
@@ -167,9 +242,13 @@ def scrape(scrapes: int, seconds: float) -> dict[str, Any]:
         try:
             for events in (0, 10, 100, 1000):
                 fill(sim, collector, events)
-                out[f"{events}_events"] = sequential(collector.url + "/metrics", scrapes)
+                out[f"{events}_events"] = sequential(collector.port, scrapes)
                 print(f"scrape, {events} events: {out[f'{events}_events']}", flush=True)
             fill(sim, collector, 100)
+            _, body = KeptAlive(collector.port).get()
+            out["floor_100_events"] = floor(body, scrapes)
+            out["100_events_again"] = sequential(collector.port, scrapes)  # after the floor: the same moment
+            print(f"floor: {out['floor_100_events']}; 100 events again: {out['100_events_again']}", flush=True)
             time.sleep(2)
             quiet_from = time.time()
             time.sleep(seconds)
@@ -190,9 +269,13 @@ def scrape(scrapes: int, seconds: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke check")
+    parser.add_argument("--serve-floor", nargs=2, metavar=("PORT_FILE", "BODY_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["steady", "scrape"],
                         help="run one part (steady: CPU per poll and RSS; scrape: /metrics and cadence)")
     args = parser.parse_args()
+    if args.serve_floor:
+        serve_floor(*args.serve_floor)
+        return
     random.seed(5)
     seconds, scrapes, busy = (10.0, 200, 8.0) if args.quick else (60.0, 2000, 30.0)
     results: dict[str, Any] = header()

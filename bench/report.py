@@ -64,8 +64,14 @@ def cost(results: dict[str, Any]) -> list[str]:
     lines += ["", "| /metrics | p50 | p99 | max | size |", "| --- | --- | --- | --- | --- |"]
     for events in (0, 10, 100, 1000):
         row = scrape[f"{events}_events"]
-        lines.append(f"| {events} events, sequential | {row['p50_ms']:.1f} ms | {row['p99_ms']:.1f} ms | "
+        lines.append(f"| {events} events, sequential, kept alive | {row['p50_ms']:.2f} ms | {row['p99_ms']:.2f} ms | "
                      f"{row['max_ms']:.1f} ms | {row['bytes'] / 1000:.0f} kB |")
+    for key, label in (("floor_100_events", "floor: the same 100-event body from a bare server"),
+                       ("100_events_again", "100 events again, after the floor")):
+        if key in scrape:
+            row = scrape[key]
+            lines.append(f"| {label} | {row['p50_ms']:.2f} ms | {row['p99_ms']:.2f} ms | {row['max_ms']:.1f} ms | "
+                         f"{row['bytes'] / 1000:.0f} kB |")
     row = scrape["50_scrapers_100_events"]
     lines.append(f"| 100 events, 50 scrapers at once every second | {row['p50_ms']:.1f} ms | "
                  f"{row['p99_ms']:.1f} ms | {row['max_ms']:.1f} ms | |")

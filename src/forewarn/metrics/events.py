@@ -47,39 +47,55 @@ class OpenEvent:
 
 
 def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()) -> Iterator[Family]:
-    """The five families of the open events. `place_labels` names the values in each `OpenEvent.places`."""
+    """The five families of the open events, each built when it is asked for: a caller that writes one
+    before asking for the next holds one family's text at a time (fleet mode's are megabytes each).
+    `place_labels` names the values in each `OpenEvent.places`."""
+    rows = list(events)
     place = list(place_labels)
     ids = ["event_id", "event_type"]
     info = Family("azure_scheduled_event_info", "A scheduled event that is open now (1).",
                   labels=[*ids, "event_status", "event_source", "resource_type", "affects_this_vm",
                           "description", *place])
+    for row in rows:
+        event = row.event
+        info_labels = [event.event_id, event.event_type, event.status, label(event.source), event.resource_type,
+                       "true" if row.affects_this_vm else "false", label(event.description)]
+        for where in row.places:
+            info.add([*info_labels, *where], 1)
+    yield info
+    del info
     not_before = Family("azure_scheduled_event_not_before_timestamp_seconds",
                         "NotBefore as Unix time; absent while NotBefore is empty.", labels=[*ids, *place])
+    for row in rows:
+        if row.event.not_before is not None:
+            stamp = row.event.not_before.timestamp()
+            for where in row.places:
+                not_before.add([row.event.event_id, row.event.event_type, *where], stamp)
+    yield not_before
+    del not_before
     duration = Family("azure_scheduled_event_duration_seconds",
                       "DurationInSeconds of the event (-1 = unknown).", labels=[*ids, *place])
+    for row in rows:
+        if row.event.duration_seconds is not None:
+            for where in row.places:
+                duration.add([row.event.event_id, row.event.event_type, *where], row.event.duration_seconds)
+    yield duration
+    del duration
     since = Family("azure_scheduled_event_status_since_timestamp_seconds",
                    "When forewarn first saw the event in its current status (Unix time; reset to the "
                    "start time after a restart).", labels=[*ids, "event_status", *place])
+    for row in rows:
+        if row.status_since is not None:
+            for where in row.places:
+                since.add([row.event.event_id, row.event.event_type, row.event.status, *where], row.status_since)
+    yield since
+    del since
     counts: dict[tuple[str, str, str], int] = {
         (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
     }
-    for row in events:
-        event = row.event
-        source, affects = label(event.source), "true" if row.affects_this_vm else "false"
-        info_labels = [event.event_id, event.event_type, event.status, source, event.resource_type, affects,
-                       label(event.description)]
-        for where in row.places:
-            series = [event.event_id, event.event_type, *where]
-            info.add([*info_labels, *where], 1)
-            if event.not_before is not None:
-                not_before.add(series, event.not_before.timestamp())
-            if event.duration_seconds is not None:
-                duration.add(series, event.duration_seconds)
-            if row.status_since is not None:
-                since.add([event.event_id, event.event_type, event.status, *where], row.status_since)
-        key = (event.event_type, event.status, source)
+    for row in rows:
+        key = (row.event.event_type, row.event.status, label(row.event.source))
         counts[key] = counts.get(key, 0) + 1
-    yield from (info, not_before, duration, since)
     aggregate = Family("azure_scheduled_events", "Open events by type, status and source.",
                        labels=["event_type", "event_status", "event_source"])
     for (event_type, status, source), count in sorted(counts.items()):

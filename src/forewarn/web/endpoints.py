@@ -25,10 +25,10 @@ _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
 """
 
 
-def add_metrics_endpoints(server: HttpServer, render: Callable[[str], tuple[bytes, str]],
+def add_metrics_endpoints(server: HttpServer, render: Callable[[str], tuple[bytes | tuple[bytes, ...], str]],
                           readiness: Callable[[], tuple[bool, str]]) -> None:
-    """Register the endpoints: `render(accept)` gives the exposition body and its content type (by the
-    Accept header), `readiness()` whether the agent is ready and why (see readiness_check)."""
+    """Register the endpoints: `render(accept)` gives the exposition body (or its parts) and its content type
+    (by the Accept header), `readiness()` whether the agent is ready and why (see readiness_check)."""
 
     def metrics(request: Request) -> Response:
         body, content_type = render(request.headers.get("Accept", ""))

@@ -78,10 +78,11 @@ class Request:
 class Response:
     """What a handler returns: an answer (status, body, headers), or with `action` something lower-level:
     "reset" closes the connection with a TCP reset and no answer; "hang" holds it unanswered for `hold`
-    seconds (less when the server stops) and then resets it. A HEAD request gets the headers alone."""
+    seconds (less when the server stops) and then resets it. A HEAD request gets the headers alone. A body
+    given as parts goes out part after part, never joined into one copy (a fleet's /metrics)."""
 
     status: int
-    body: bytes = b""
+    body: bytes | tuple[bytes, ...] = b""
     content_type: str = "text/plain; charset=utf-8"
     headers: Mapping[str, str] = field(default_factory=dict)
     action: Literal["answer", "reset", "hang"] = "answer"
@@ -147,7 +148,7 @@ class _Exchange(BaseHTTPRequestHandler):
         self.close_connection = True
         self.action: Response | None = None  # a reset or a hang instead of an answer
         #: A large body, sent after `reply` (the status and headers) as it is, rather than copied behind them.
-        self.payload = b""
+        self.payload: tuple[bytes, ...] = ()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -179,17 +180,20 @@ class _Exchange(BaseHTTPRequestHandler):
             return
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(response.body)))
+        body = response.body
+        self.send_header("Content-Length", str(len(body) if isinstance(body, bytes) else sum(map(len, body))))
         extra = self.http.gate.headers() if self.http.gate is not None else {}
         for name, value in {**extra, **response.headers}.items():
             self.send_header(name, value)
         self.end_headers()
         if self.command == "HEAD":
             return
-        if len(response.body) > SEPARATE_BODY_BYTES:
-            self.payload = response.body
+        if not isinstance(body, bytes):
+            self.payload = body
+        elif len(body) > SEPARATE_BODY_BYTES:
+            self.payload = (body,)
         else:
-            self.wfile.write(response.body)
+            self.wfile.write(body)
 
 
 class _Connection:
@@ -632,7 +636,7 @@ class HttpServer:
         # timeout bounds the whole sendall); the kernel's send buffer usually takes the reply at once.
         conn.sock.settimeout(self.read_timeout)
         conn.sock.sendall(exchange.reply.getvalue())
-        if exchange.payload:
-            conn.sock.sendall(exchange.payload)
+        for part in exchange.payload:
+            conn.sock.sendall(part)
         conn.sock.setblocking(False)
         return not exchange.close_connection
