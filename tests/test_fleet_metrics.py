@@ -3,13 +3,19 @@ in both exposition formats, and clean for promtool."""
 
 from __future__ import annotations
 
+import gzip
+import http.client
 import subprocess
 
-from forewarn.fleet.metrics import FleetMetrics
+import pytest
+
+from forewarn.fleet.metrics import FleetMetrics, takes_gzip
 from forewarn.imds.document import Document
 from forewarn.imds.instance import VmInfo
 from forewarn.metrics import Metrics
 from forewarn.metrics.events import PLACE_LABELS
+from forewarn.web.endpoints import add_metrics_endpoints
+from forewarn.web.server import HttpServer
 from test_fleet_state import news
 
 from conftest import parse_metrics, require_promtool
@@ -86,3 +92,62 @@ def test_status_since_holds_while_the_status_does_and_moves_with_it() -> None:
     assert since(metrics.render()[0]) == {"E-1": 100.0, "E-2": 160.0}
     metrics.events_now([news("Started", "E-2")], now=200.0)   # E-1 ended, E-2 unchanged
     assert since(metrics.render()[0]) == {"E-2": 160.0}
+
+
+def scrape(port: int, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    """One GET /metrics with exactly these headers (http.client adds no Accept-Encoding of its own)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/metrics", headers=headers)
+        response = connection.getresponse()
+        assert response.status == 200
+        return {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def test_metrics_go_out_compressed_to_a_gzip_client_and_inflated_to_any_other() -> None:
+    """The events' families are kept as gzip: Prometheus (Accept-Encoding: gzip) gets them with the live
+    families as a second member; a client without gzip gets the same text, with the right length."""
+    metrics = FleetMetrics(["queue"])
+    metrics.events_now([news("Scheduled", f"E-{n}") for n in range(3000)])  # a text of several parts
+    metrics.source_succeeded("queue", 1_800_000_000.0)
+    server = HttpServer("127.0.0.1", 0)
+    add_metrics_endpoints(server, metrics.respond, lambda: (True, "ok"))
+    server.start()
+    try:
+        port = server.server_address[1]
+        plain_headers, plain = scrape(port, {"Accept": "text/plain"})
+        gzip_headers, packed = scrape(port, {"Accept": "text/plain", "Accept-Encoding": "gzip"})
+        refused_headers, refused = scrape(port, {"Accept-Encoding": "gzip;q=0, identity"})
+        om_headers, om = scrape(port, {"Accept": OPENMETRICS, "Accept-Encoding": "gzip"})
+    finally:
+        server.stop()
+    assert "content-encoding" not in plain_headers and int(plain_headers["content-length"]) == len(plain)
+    assert gzip_headers["content-encoding"] == "gzip" and int(gzip_headers["content-length"]) == len(packed)
+    assert len(packed) * 10 < len(plain)
+    assert gzip.decompress(packed) == plain == refused == metrics.render()[0]
+    assert "content-encoding" not in refused_headers
+    assert len(info_series(plain)) == 3000
+    assert plain.count(b"azure_scheduled_events_source_up{") == 1
+    text = gzip.decompress(om).decode()
+    assert om_headers["content-type"].startswith("application/openmetrics-text")
+    assert text.count("# EOF") == 1 and text.endswith("# EOF\n")
+
+
+def test_the_compressed_families_follow_every_change_of_the_events() -> None:
+    metrics = FleetMetrics(["queue"])
+    metrics.events_now([news("Scheduled", "E-1")])
+    first = metrics.render()[0]
+    metrics.events_now([news("Started", "E-1")])
+    assert [s["event_status"] for s in info_series(metrics.render()[0])] == ["Started"]
+    metrics.events_now([])
+    assert info_series(metrics.render()[0]) == [] and first != metrics.render()[0]
+
+
+@pytest.mark.parametrize(("header", "takes"), [
+    ("gzip", True), ("gzip, deflate, br", True), ("deflate, GZIP;q=0.5", True), ("x-gzip", True),
+    ("", False), ("identity", False), ("gzip;q=0", False), ("br, gzip ; q=0.0", False), ("*", False),
+])
+def test_accept_encoding_is_read_as_http_says(header: str, takes: bool) -> None:
+    assert takes_gzip(header) is takes

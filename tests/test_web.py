@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 
-from forewarn.web.endpoints import add_metrics_endpoints
+from forewarn.web.endpoints import add_metrics_endpoints, exposition
 from forewarn.web.server import HttpServer, Request, Response
 
 from conftest import CollectorProcess, sample, wait_until
@@ -86,7 +86,7 @@ def server(serve: Callable[..., HttpServer]) -> Callable[..., HttpServer]:
     def start(read_timeout: float = 10.0, max_connections: int = 4, max_request_bytes: int = 16384,
               render: Callable[[str], tuple[bytes, str]] | None = None) -> HttpServer:
         endpoints = render or (lambda accept: (b"metric 1\n", "text/plain"))
-        return serve(setup=lambda web: add_metrics_endpoints(web, endpoints, lambda: (True, "ok")),
+        return serve(setup=lambda web: add_metrics_endpoints(web, exposition(endpoints), lambda: (True, "ok")),
                     read_timeout=read_timeout, max_connections=max_connections, max_request_bytes=max_request_bytes)
 
     return start

@@ -30,7 +30,7 @@ from forewarn.cli import main
 from forewarn.config import ConfigError
 from forewarn.metrics.view import View
 from forewarn.web.config import WebGate, load_web_config
-from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints
+from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, exposition
 from forewarn.web.server import HttpServer
 
 from conftest import free_port, require_tool, wait_until
@@ -122,7 +122,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[[Path], tuple[HttpServer, WebGate
     def start(config: Path, check_every: float = 0.05) -> tuple[HttpServer, WebGate]:
         gate = WebGate(config, check_every=check_every)
         server = HttpServer("127.0.0.1", 0, read_timeout=2.0, gate=gate)
-        add_metrics_endpoints(server, lambda accept: (b"metric 1\n", "text/plain"), lambda: (True, "ok"))
+        add_metrics_endpoints(server, exposition(lambda accept: (b"metric 1\n", "text/plain")), lambda: (True, "ok"))
         add_lb_probe(server, View, DrainPolicy())  # an empty view: nothing scheduled
         server.start()
         started.append(server)

@@ -24,7 +24,7 @@ from forewarn.poller import OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
-from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, readiness_check
+from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, exposition, readiness_check
 from forewarn.web.setup import web_gate, web_server
 
 if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
@@ -67,7 +67,7 @@ def run_agent(settings: Settings) -> int:
         endpoint = discover_endpoint()
 
     server = web_server(settings, gate)
-    add_metrics_endpoints(server, metrics.render,
+    add_metrics_endpoints(server, exposition(metrics.render),
                           readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
     add_lb_probe(server, lambda: metrics.views.view,
                  DrainPolicy(settings.probe_lb_lead_time, settings.probe_lb_freeze_threshold))

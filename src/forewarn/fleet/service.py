@@ -354,7 +354,7 @@ def run_fleet(settings: FleetSettings) -> int:
             return True, "standby: another replica holds the Lease"
         return sources_ready()
 
-    add_metrics_endpoints(server, metrics.render_parts, ready)
+    add_metrics_endpoints(server, metrics.respond, ready)
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
                     OutboxMetrics(metrics))

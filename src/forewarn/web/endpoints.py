@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from forewarn.imds.document import Event
 from forewarn.metrics.view import View
-from forewarn.web.server import HttpServer, Request, Response
+from forewarn.web.server import Handler, HttpServer, Request, Response
 
 _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
 <h1>forewarn</h1><p>Azure Scheduled Events exporter.</p>
@@ -25,14 +25,18 @@ _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
 """
 
 
-def add_metrics_endpoints(server: HttpServer, render: Callable[[str], tuple[bytes | tuple[bytes, ...], str]],
-                          readiness: Callable[[], tuple[bool, str]]) -> None:
-    """Register the endpoints: `render(accept)` gives the exposition body (or its parts) and its content type
-    (by the Accept header), `readiness()` whether the agent is ready and why (see readiness_check)."""
+def exposition(render: Callable[[str], tuple[bytes, str]]) -> Handler:
+    """/metrics from `render(accept)`: the exposition body for an Accept header, and its content type."""
 
     def metrics(request: Request) -> Response:
         body, content_type = render(request.headers.get("Accept", ""))
         return Response(200, body, content_type)
+    return metrics
+
+
+def add_metrics_endpoints(server: HttpServer, metrics: Handler, readiness: Callable[[], tuple[bool, str]]) -> None:
+    """Register the endpoints: `metrics` answers /metrics (see `exposition`; fleet mode's also compresses),
+    `readiness()` says whether the agent is ready and why (see readiness_check)."""
 
     def ready(request: Request) -> Response:
         is_ready, reason = readiness()

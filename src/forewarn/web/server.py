@@ -32,7 +32,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -75,6 +75,16 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Stream:
+    """A body sent part after part as `parts()` yields them, `length` bytes in all (its Content-Length): a
+    large body made on the way out is never whole in memory (fleet mode inflates its compressed exposition
+    for a client that takes no gzip)."""
+
+    length: int
+    parts: Callable[[], Iterator[bytes]]
+
+
+@dataclass(frozen=True)
 class Response:
     """What a handler returns: an answer (status, body, headers), or with `action` something lower-level:
     "reset" closes the connection with a TCP reset and no answer; "hang" holds it unanswered for `hold`
@@ -82,7 +92,7 @@ class Response:
     given as parts goes out part after part, never joined into one copy (a fleet's /metrics)."""
 
     status: int
-    body: bytes | tuple[bytes, ...] = b""
+    body: bytes | tuple[bytes, ...] | Stream = b""
     content_type: str = "text/plain; charset=utf-8"
     headers: Mapping[str, str] = field(default_factory=dict)
     action: Literal["answer", "reset", "hang"] = "answer"
@@ -148,7 +158,7 @@ class _Exchange(BaseHTTPRequestHandler):
         self.close_connection = True
         self.action: Response | None = None  # a reset or a hang instead of an answer
         #: A large body, sent after `reply` (the status and headers) as it is, rather than copied behind them.
-        self.payload: tuple[bytes, ...] = ()
+        self.payload: tuple[bytes, ...] | Stream = ()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -181,7 +191,9 @@ class _Exchange(BaseHTTPRequestHandler):
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         body = response.body
-        self.send_header("Content-Length", str(len(body) if isinstance(body, bytes) else sum(map(len, body))))
+        length = len(body) if isinstance(body, bytes) else body.length if isinstance(body, Stream) else sum(
+            map(len, body))
+        self.send_header("Content-Length", str(length))
         extra = self.http.gate.headers() if self.http.gate is not None else {}
         for name, value in {**extra, **response.headers}.items():
             self.send_header(name, value)
@@ -636,7 +648,14 @@ class HttpServer:
         # timeout bounds the whole sendall); the kernel's send buffer usually takes the reply at once.
         conn.sock.settimeout(self.read_timeout)
         conn.sock.sendall(exchange.reply.getvalue())
-        for part in exchange.payload:
+        payload = exchange.payload
+        sent = 0
+        for part in payload.parts() if isinstance(payload, Stream) else payload:
             conn.sock.sendall(part)
+            sent += len(part)
+        if isinstance(payload, Stream) and sent != payload.length:
+            # The client would wait for bytes that never come, or read ours as its next reply.
+            log.error("web: a reply of %d bytes was announced as %d; closing the connection", sent, payload.length)
+            return False
         conn.sock.setblocking(False)
         return not exchange.close_connection
