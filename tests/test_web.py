@@ -431,3 +431,60 @@ def test_readiness_names_what_must_have_succeeded_and_how_long_ago() -> None:
     last[0] = 950.0
     assert check() == (True, "ok")
     assert readiness_check(lambda: None, window=60)() == (False, "no successful IMDS poll yet")
+
+
+# --- the request line and the headers, read without the email package ---------------------------------
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Folded: a\r\n b\r\n\r\n", b"400"),       # obs-fold
+    (b"GET /echo HTTP/1.1\r\nHost : x\r\n\r\n", b"400"),                          # space before the colon
+    (b"GET /echo HTTP/1.1\r\nno colon here\r\n\r\n", b"400"),
+    (b"GET /echo HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n", b"431"),
+    (b"GET /echo HTTP/2.0\r\nHost: x\r\n\r\n", b"505"),
+    (b"GET /echo HTTP/1.x\r\nHost: x\r\n\r\n", b"400"),
+    (b"GET /echo FTP/1.1\r\nHost: x\r\n\r\n", b"400"),
+    (b"GET /echo HTTP/1.1 extra\r\nHost: x\r\n\r\n", b"400"),
+], ids=["folded", "space-before-colon", "no-colon", "101-headers", "http2", "bad-version", "not-http", "four-words"])
+def test_a_malformed_request_gets_its_error_and_no_handler_runs(
+        serve: Callable[..., HttpServer], request_bytes: bytes, status: bytes) -> None:
+    called: list[Request] = []
+
+    def record(request: Request) -> Response:
+        called.append(request)
+        return echo(request)
+
+    web = serve({"/echo": record})
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(request_bytes)
+        reply = read_until_closed(sock)
+    assert reply.split(b"\r\n", 1)[0].split(b" ")[1] == status, reply[:100]
+    assert called == []
+
+
+def test_headers_are_read_by_name_whatever_the_case_and_the_connection_header_is_obeyed(
+        serve: Callable[..., HttpServer]) -> None:
+    seen: list[Request] = []
+
+    def record(request: Request) -> Response:
+        seen.append(request)
+        return Response(200, b"ok\n")
+
+    web = serve({"/echo": record})
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"GET //echo HTTP/1.1\nhost: x\nX-Token:\t  spaced value \t\nAccept: a\n\n"
+                     b"GET /echo HTTP/1.1\r\nHost: x\r\nCONNECTION: close\r\n\r\n")
+        replies = read_until_closed(sock)
+    assert replies.count(b"HTTP/1.1 200 ") == 2, replies   # the second asked to close: the server did
+    first = seen[0]
+    assert first.headers.get("X-TOKEN") == "spaced value" and first.headers.get("accept") == "a"
+    assert first.target == "/echo"                          # never a scheme-relative //host/...
+
+
+def test_http_1_0_closes_unless_it_asks_for_keep_alive_and_0_9_is_only_get(serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/echo": lambda request: Response(200, b"ok\n")})
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /echo HTTP/1.0\r\n\r\n")
+        assert read_until_closed(sock).count(b" 200 ") == 2
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"POST /echo\r\n\r\n")
+        assert b" 400 " in read_until_closed(sock).split(b"\r\n", 1)[0]
