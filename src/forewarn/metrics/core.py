@@ -391,22 +391,20 @@ class Histogram(_Metric):
         self._single.observe(amount)
 
 
-def encode(pieces: Iterable[str], size: int = 1 << 16) -> list[bytes]:
-    """Text pieces as UTF-8 parts of about `size` bytes: small pieces are joined, a large one is encoded
-    alone, and nothing is joined into one copy of the whole (a fleet's exposition is megabytes)."""
-    parts: list[bytes] = []
+def encode(pieces: Iterable[str], size: int = 1 << 16) -> Iterator[bytes]:
+    """Text pieces as UTF-8 parts of about `size` bytes, one at a time: small pieces are joined, a large one
+    is encoded alone, and nothing is joined into one copy of the whole (a fleet's exposition is megabytes)."""
     pending: list[str] = []
     length = 0
     for piece in pieces:
         pending.append(piece)
         length += len(piece)
         if length >= size:
-            parts.append("".join(pending).encode())
+            yield "".join(pending).encode()
             pending.clear()
             length = 0
     if pending:
-        parts.append("".join(pending).encode())
-    return parts
+        yield "".join(pending).encode()
 
 
 class Registry:
