@@ -17,7 +17,7 @@ count by subscription and resource group (fleet/metrics.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from forewarn.imds.document import EVENT_SOURCES, EVENT_STATUSES, EVENT_TYPES, Event
@@ -66,29 +66,16 @@ def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()
     del info
     not_before = Family("azure_scheduled_event_not_before_timestamp_seconds",
                         "NotBefore as Unix time; absent while NotBefore is empty.", labels=[*ids, *place])
-    for row in rows:
-        if row.event.not_before is not None:
-            stamp = row.event.not_before.timestamp()
-            for where in row.places:
-                not_before.add([row.event.event_id, row.event.event_type, *where], stamp)
-    yield not_before
+    yield _per_vm(not_before, rows, lambda row: row.event.not_before.timestamp() if row.event.not_before else None)
     del not_before
     duration = Family("azure_scheduled_event_duration_seconds",
                       "DurationInSeconds of the event (-1 = unknown).", labels=[*ids, *place])
-    for row in rows:
-        if row.event.duration_seconds is not None:
-            for where in row.places:
-                duration.add([row.event.event_id, row.event.event_type, *where], row.event.duration_seconds)
-    yield duration
+    yield _per_vm(duration, rows, lambda row: row.event.duration_seconds)
     del duration
     since = Family("azure_scheduled_event_status_since_timestamp_seconds",
                    "When forewarn first saw the event in its current status (Unix time; reset to the "
                    "start time after a restart).", labels=[*ids, "event_status", *place])
-    for row in rows:
-        if row.status_since is not None:
-            for where in row.places:
-                since.add([row.event.event_id, row.event.event_type, row.event.status, *where], row.status_since)
-    yield since
+    yield _per_vm(since, rows, lambda row: row.status_since, with_status=True)
     del since
     counts: dict[tuple[str, str, str], int] = {
         (t, s, src): 0 for t in EVENT_TYPES for s in EVENT_STATUSES for src in EVENT_SOURCES
@@ -101,3 +88,19 @@ def event_families(events: Iterable[OpenEvent], place_labels: Sequence[str] = ()
     for (event_type, status, source), count in sorted(counts.items()):
         aggregate.add([event_type, status, source], count)
     yield aggregate
+
+
+def _per_vm(family: Family, rows: Sequence[OpenEvent], value: Callable[[OpenEvent], float | None],
+            with_status: bool = False) -> Family:
+    """`family` with a series per event and VM whose `value` is known, labelled by the event's id and type
+    (and status, `with_status`), then the VM's place."""
+    for row in rows:
+        number = value(row)
+        if number is None:
+            continue
+        event = row.event
+        labels = [event.event_id, event.event_type, event.status] if with_status else [event.event_id,
+                                                                                         event.event_type]
+        for where in row.places:
+            family.add([*labels, *where], number)
+    return family
