@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -431,24 +432,30 @@ def serve_metrics_floor(port: int, rows_file: str) -> None:
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 
-def scrape(url: str, scrapes: int, max_seconds: float) -> tuple[dict[str, Any], list[str]]:
+def scrape(url: str, scrapes: int, max_seconds: float,
+           keep: Callable[[str], Any] = lambda text: None) -> tuple[dict[str, Any], list[Any]]:
     """`scrapes` sequential scrapes on one kept-alive connection, or as many as fit in `max_seconds`, taking
-    gzip as Prometheus does (requests asks for it and inflates, inside the time measured)."""
+    gzip as Prometheus does (requests asks for it and inflates, inside the time measured). `keep(text)` of
+    each scrape is returned, read after its time is taken; the texts are not kept (11 MB each)."""
     session = requests.Session()
-    latencies, texts = [], []
+    latencies, kept = [], []
     deadline = time.monotonic() + max_seconds
+    series = 0
     for _ in range(scrapes):
         if time.monotonic() > deadline:
             break
         started = time.perf_counter()
         response = session.get(url, timeout=10)
         response.raise_for_status()
+        text = response.text
         latencies.append(time.perf_counter() - started)
-        texts.append(response.text)
+        kept.append(keep(text))
+        series = text.count("\nazure_scheduled_event_info{")
+        del text
     return summary_ms(latencies) | {"bytes": len(response.content),
                                     "bytes_sent": int(response.headers.get("Content-Length", len(response.content))),
                                     "content_encoding": response.headers.get("Content-Encoding", ""),
-                                    "series": texts[-1].count("\nazure_scheduled_event_info{")}, texts
+                                    "series": series}, kept
 
 
 def metrics_floor(rows: list[dict[str, Any]], scrapes: int, max_seconds: float, tmp: Path) -> dict[str, Any]:
@@ -538,9 +545,10 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
         print("snapshot:", out["snapshot"], out["rss"], flush=True)
 
         # -- /metrics with the events open; the gauge read from every scrape gives the later reconciles too
-        summary, texts = scrape(fleet.url, args.scrapes, args.scrape_seconds)
+        summary, gauges = scrape(fleet.url, args.scrapes, args.scrape_seconds,
+                                 keep=lambda text: fleet.metric(RECONCILE_METRIC, text))
         values = [reconcile]  # each later snapshot shows as a new value of the gauge
-        for value in (fleet.metric(RECONCILE_METRIC, text) for text in texts):
+        for value in gauges:
             if value is not None and value != values[-1]:
                 values.append(value)
         out["metrics"] = summary
