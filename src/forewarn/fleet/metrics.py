@@ -29,13 +29,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
 from forewarn import __version__
+from forewarn.backlog import Backlog
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
 from forewarn.imds.document import EVENT_TYPES
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.metrics.exposition import NodeMetrics
-from forewarn.outbox.store import Backlog
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
 _EOF = b"# EOF\n"

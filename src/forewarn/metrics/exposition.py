@@ -20,10 +20,10 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.backlog import Backlog
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES
 from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.view import ViewHolder
-from forewarn.outbox.store import Backlog
 
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")

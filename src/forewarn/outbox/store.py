@@ -18,9 +18,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from forewarn.backlog import Backlog
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.records import Record
 
@@ -44,14 +44,6 @@ _memory_ids = itertools.count()
 
 class StoreError(Exception):
     """The store could not be read or written; the message says why (disk full, read-only, ...)."""
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """What waits for one sink: how many records and when the oldest was written."""
-
-    records: int
-    oldest_created: float | None
 
 
 class Store:
@@ -225,8 +217,9 @@ class Store:
     def _prune(self, conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM records WHERE seq <= (SELECT MIN(acked) FROM cursors)")
 
-    def fetch(self, sink: str, limit: int) -> list[tuple[int, Record]]:
-        """Up to `limit` records the sink has not acknowledged, oldest first."""
+    def fetch(self, sink: str, limit: int) -> list[tuple[int, str]]:
+        """Up to `limit` records the sink has not acknowledged, oldest first: sequence number and JSON text
+        (parsing is left to whoever reads the record: a sink that writes JSON needs none)."""
         try:
             with self._use() as conn:
                 rows = conn.execute(
@@ -236,7 +229,7 @@ class Store:
                 ).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
-        return [(seq, Record.from_dict(json.loads(body))) for seq, body in rows]
+        return [(int(seq), str(body)) for seq, body in rows]
 
     def ack(self, sink: str, seq: int) -> None:
         """The sink has every record up to `seq`; drop what no sink still needs."""

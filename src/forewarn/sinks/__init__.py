@@ -24,7 +24,9 @@ class SinkConfigError(ValueError):
 
 class Sink(Protocol):
     """A sink may also define `idle()`: the delivery worker calls it after a quiet spell (30 s with
-    nothing to send), to release what costs CPU while unused; `send` must work again afterwards."""
+    nothing to send), to release what costs CPU while unused; `send` must work again afterwards. And it
+    may define `batch_size`: how many records one `send` should get at most (the delivery worker's
+    default otherwise), for a sink whose cost per call (an fsync, a request) is worth spreading wider."""
 
     #: Short, stable label for metrics and logs (`stdout`, `file:/var/log/x.jsonl`, ...).
     name: str
