@@ -142,9 +142,10 @@ class Outbox:
         self.wake()
         return dropped
 
-    def take(self, sink: str, limit: int) -> Batch:
-        """Up to `limit` records `sink` has not acknowledged, oldest first (one read of the store)."""
-        rows = self._store.fetch(sink, limit)
+    def take(self, sink: str, limit: int, after: int = 0) -> Batch:
+        """Up to `limit` records `sink` has not acknowledged, oldest first (one read of the store); only
+        those past sequence number `after` (a batch still being sent) when it is given."""
+        rows = self._store.fetch(sink, limit, after)
         return Batch(JsonRecords([text for _, text in rows]), rows[-1][0] if rows else 0)
 
     def ack(self, sink: str, up_to: int) -> None:

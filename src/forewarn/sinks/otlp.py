@@ -184,22 +184,27 @@ class OtlpSink:
             groups.setdefault(self._resources[vm], []).extend(group)
         return groups
 
-    def send(self, records: Sequence[Record]) -> None:
+    def encode(self, records: Sequence[Record]) -> Any:
+        """The export of `records`, ready for `send_encoded`: over gRPC the request itself, over HTTP the
+        SDK's log records (its exporter encodes them)."""
         groups = self._by_resource(records)
+        if self.protocol == "grpc":
+            logs = ((resource, [_log_fields(record) for record in group]) for resource, group in groups.items())
+            return EncodedLogs(encode_request(logs, _SCOPE), len(records))
+        return [_readable(_log_fields(record), resource) for resource, group in groups.items() for record in group]
+
+    def send_encoded(self, payload: Any) -> None:
         if self._exporter is None:
             self._exporter = self._new_exporter()
         try:
-            if self.protocol == "grpc":
-                request = encode_request(((resource, [_log_fields(r) for r in group])
-                                          for resource, group in groups.items()), _SCOPE)
-                result = self._exporter.export(EncodedLogs(request, len(records)))
-            else:
-                result = self._exporter.export([_readable(_log_fields(record), resource)
-                                                for resource, group in groups.items() for record in group])
+            result = self._exporter.export(payload)
         except Exception as exc:  # the exporters raise for some transport errors instead of returning FAILURE
             raise SinkError(f"OTLP export ({self.protocol}) failed: {type(exc).__name__}") from exc
         if result != LogRecordExportResult.SUCCESS:
             raise SinkError(f"OTLP export ({self.protocol}) was not acknowledged")
+
+    def send(self, records: Sequence[Record]) -> None:
+        self.send_encoded(self.encode(records))
 
     def close(self) -> None:
         if self._exporter is not None:
