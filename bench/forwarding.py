@@ -11,7 +11,10 @@ is in bench/cost.py).
   HTTP for the webhook, and for the file its write and fsync per batch). Measured the same way, so
   "forewarn / ceiling" says how much of the drain is forewarn and how much the peer.
 
-    python bench/forwarding.py [--records 100000] [--only webhook,file]
+    python bench/forwarding.py [--records 100000] [--only webhook,file] [--collector-src DIR]
+
+`--collector-src` runs the collector from another source tree (e.g. `git archive` of an older commit's
+src/) under the same harness, for a same-run comparison with the code before a change.
 
 Results are printed and written to bench/results/forwarding.json. The peers run in this process,
 the collector and the bare clients each in their own.
@@ -151,13 +154,15 @@ def stop_peer(peer: Any) -> None:
         peer.stop()
 
 
-def drain_case(name: str, sim_url: str, texts: Sequence[str], tmp: Path) -> dict[str, Any]:
+def drain_case(name: str, sim_url: str, texts: Sequence[str], tmp: Path, collector_src: str | None) -> dict[str, Any]:
     state = tmp / f"state-{name}"
     state.mkdir()
     peer, sink, env, _, count = peer_for(name, tmp)
     try:
         backlog(state, sink, texts)
         started = time.monotonic()
+        if collector_src:
+            env = {**env, "PYTHONPATH": collector_src}
         collector = Collector(sim_url, state, sinks=[sink], env=env, wait=False,
                               extra=["--outbox-max-records", str(max(len(texts), 100_000))])
         try:
@@ -194,7 +199,8 @@ def ceiling_case(name: str, texts_file: Path, records: int, tmp: Path) -> float:
     return rate(records, first, first_count, last)
 
 
-def drain(sim_url: str, records: int, only: list[str] | None = None) -> dict[str, Any]:
+def drain(sim_url: str, records: int, only: list[str] | None = None,
+          collector_src: str | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     texts = record_texts(records)
     with tempfile.TemporaryDirectory() as directory:
@@ -204,7 +210,7 @@ def drain(sim_url: str, records: int, only: list[str] | None = None) -> dict[str
         for name in CASES:
             if only and name not in only:
                 continue
-            results[name] = drain_case(name, sim_url, texts, tmp)
+            results[name] = drain_case(name, sim_url, texts, tmp, collector_src)
             results[name]["peer_ceiling_per_s"] = ceiling_case(name, texts_file, records, tmp)
             results[name]["batch"] = BATCHES[name]
             print(name, json.dumps(results[name]), flush=True)
@@ -286,6 +292,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--only", help="comma-separated cases to run (default: all)")
+    parser.add_argument("--collector-src", help="run the collector from this source tree (a same-run baseline)")
     parser.add_argument("--bare-client", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
@@ -298,10 +305,13 @@ def main() -> None:
     server = SimulatorServer(sim).serve_in_background()
     results: dict[str, Any] = header()
     try:
-        results["drain"] = drain(server.url, args.records, args.only.split(",") if args.only else None)
+        results["drain"] = drain(server.url, args.records, args.only.split(",") if args.only else None,
+                                 args.collector_src)
+        if args.collector_src:
+            results["collector_src"] = args.collector_src
     finally:
         server.stop()
-    write_results("forwarding", results)
+    write_results("forwarding-baseline" if args.collector_src else "forwarding", results)
 
 
 if __name__ == "__main__":

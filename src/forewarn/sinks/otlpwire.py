@@ -81,11 +81,11 @@ def any_value(value: Any) -> bytes:
 
 
 def _kvlist(value: Mapping[Any, Any]) -> bytes:
-    return _length_delimited(b"\x32", b"".join(_entry(b"\x0a", str(k), v) for k, v in value.items()))
+    return _length_delimited(b"\x32", b"".join([_entry(b"\x0a", str(k), v) for k, v in value.items()]))
 
 
 def _array(value: Sequence[Any]) -> bytes:
-    return _length_delimited(b"\x2a", b"".join(_length_delimited(b"\x0a", any_value(v)) for v in value))
+    return _length_delimited(b"\x2a", b"".join([_length_delimited(b"\x0a", any_value(v)) for v in value]))
 
 
 def key_value(key: str, value: Any) -> bytes:
@@ -118,7 +118,7 @@ def _entry(tag: bytes, key: str, value: Any) -> bytes:
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
-    return b"".join(_entry(tag, key, value) for key, value in (attributes or {}).items())
+    return b"".join([_entry(tag, key, value) for key, value in (attributes or {}).items()])
 
 
 def _log_record(fields: LogFields) -> bytes:
