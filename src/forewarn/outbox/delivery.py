@@ -130,7 +130,7 @@ class DeliveryWorker:
     def _run(self) -> None:
         # The next batch is taken and encoded on a thread of its own while this one sends the current one:
         # a sink that encodes apart from sending spends its CPU while the peer works, not after it. (One
-        # long-lived thread: a new thread per batch made the allocator add an arena each time, +30 MB.)
+        # long-lived thread: a new thread per batch had the allocator add arenas, tens of MB of RSS.)
         with ThreadPoolExecutor(1, thread_name_prefix=f"encode-{self.sink.name}") as encoder:
             self._deliver(encoder)
 

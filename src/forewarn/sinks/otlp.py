@@ -154,7 +154,6 @@ class OtlpSink:
         self.protocol = _protocol(protocol)
         check_header_variables(os.environ)
         self._endpoint = endpoint
-        self._resources: dict[tuple[tuple[str, Any], ...], Resource] = {}
         self._exporter: Any = self._new_exporter()
 
     def _new_exporter(self) -> Any:
@@ -172,16 +171,15 @@ class OtlpSink:
         if self.protocol == "grpc":
             self.close()
 
-    def _by_resource(self, records: Sequence[Record]) -> dict[Resource, list[Record]]:
+    @staticmethod
+    def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
         """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
         by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
         for record in records:
             by_vm.setdefault(tuple(sorted(record.data.get("vm", {}).items())), []).append(record)
         groups: dict[Resource, list[Record]] = {}
         for vm, group in by_vm.items():
-            if vm not in self._resources:
-                self._resources[vm] = resource_for(dict(vm))
-            groups.setdefault(self._resources[vm], []).extend(group)
+            groups.setdefault(resource_for(dict(vm)), []).extend(group)
         return groups
 
     def encode(self, records: Sequence[Record]) -> Any:
