@@ -28,7 +28,7 @@ bench: setup
 bench-quick: setup
 	$(PYTHON) bench/latency.py --changes 20
 	$(PYTHON) bench/cost.py --quick
-	$(PYTHON) bench/forwarding.py --records 2000
+	$(PYTHON) bench/forwarding.py --records 10000
 	$(PYTHON) bench/soak.py --hours 2 --minutes 3 --kill-every 40
 	$(PYTHON) bench/hostile.py --quick
 	$(PYTHON) bench/tls.py --quick

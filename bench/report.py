@@ -82,10 +82,24 @@ def cost(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: The drain targets of issue 26, in records per second.
+DRAIN_TARGETS = {"otlp-grpc": 10_000, "eventhubs": 10_000, "file": 50_000}
+
+
 def forwarding(results: dict[str, Any]) -> list[str]:
-    lines = [f"Backlog drain ({results['date']})", "", "| sink | records | records/s |", "| --- | --- | --- |"]
+    baseline = (load("forwarding-baseline") or {}).get("drain", {})
+    lines = [f"Backlog drain ({results['date']})", "",
+             "| sink | records | forewarn records/s | CPU per record | the peer's ceiling (bare client) | "
+             "before (same harness) | target |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in results["drain"].items():
-        lines.append(f"| {name} | {row['records']:,} | {row['records_per_s']:,.0f} |")
+        ceiling = f"{row['peer_ceiling_per_s']:,.0f}/s" if "peer_ceiling_per_s" in row else "-"
+        cpu = f"{row['cpu_us_per_record']:.0f} µs" if "cpu_us_per_record" in row else "-"
+        before = baseline.get(name)
+        was = f"{before['records_per_s']:,.0f}/s ({before['cpu_us_per_record']:.0f} µs)" if before else "-"
+        target = DRAIN_TARGETS.get(name)
+        goal = f">= {target:,}/s: {verdict(row['records_per_s'] >= target)}" if target else ""
+        lines.append(f"| {name} | {row['records']:,} | {row['records_per_s']:,.0f} | {cpu} | {ceiling} | {was} | "
+                     f"{goal} |")
     return lines
 
 

@@ -17,7 +17,7 @@ from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker
 from forewarn.outbox.outbox import RETRY_SECONDS, Outbox
-from forewarn.poller import OutboxMetrics, Poller
+from forewarn.poller import DeliveryMetrics, OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.sinks.file import FileSink
 
@@ -58,7 +58,7 @@ def make_collector(url: str, state_dir: Path, records: Path,
     metrics.add_sink(sink.name)
     outbox = Outbox(state_dir, [sink.name], 1000, OutboxMetrics(metrics), retry_seconds=retry_seconds)
     stop = threading.Event()
-    worker = DeliveryWorker(sink, outbox, metrics, stop=stop, idle_refresh=0.1)
+    worker = DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), stop=stop, idle_refresh=0.1)
     worker.start()
     return Poller(ImdsClient(url), metrics, outbox, poll_interval=0.2), stop
 
@@ -185,7 +185,7 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
     sink = FileSink(str(blocked / "records.jsonl"))  # a sink that never accepts: everything stays waiting
     metrics.add_sink(sink.name)
     outbox = Outbox(tmp_path / "state", [sink.name], max_records=3, observer=OutboxMetrics(metrics))
-    worker = DeliveryWorker(sink, outbox, metrics, idle_refresh=0.1)
+    worker = DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), idle_refresh=0.1)
     worker.start()
     collector = Poller(ImdsClient(sim.url), metrics, outbox, poll_interval=0.2)
     try:
@@ -194,7 +194,7 @@ def test_outbox_overflow_drops_the_oldest_counts_and_logs(tmp_path: Path, simula
             collector.poll_once()
         assert metrics.registry.get_sample_value("azure_scheduled_events_outbox_dropped_records_total") == 2
         assert "outbox full (3 records): dropped the 1 oldest" in caplog.text
-        assert [record.subject for _, record in outbox.take(sink.name, 10)] == ["C", "D", "E"]
+        assert [record.subject for record in outbox.take(sink.name, 10).records] == ["C", "D", "E"]
         backlog = wait_until(lambda: metrics.views.view.backlogs[sink.name].records == 3
                              and metrics.views.view.backlogs[sink.name], timeout=10)
         assert backlog.oldest_created is not None
@@ -224,7 +224,7 @@ def test_a_delivery_worker_hands_its_sink_at_most_its_batch_size_at_once(tmp_pat
     outbox = Outbox(tmp_path / "state", [sink.name], 1000, OutboxMetrics(metrics))
     outbox.append([Record(id=f"r{n}", source="s", type="t", subject=f"e{n}", time="2024-01-01T00:00:00Z",
                           data={"n": n}) for n in range(250)])
-    worker = DeliveryWorker(sink, outbox, metrics, idle_refresh=0.1, batch_size=100)
+    worker = DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), idle_refresh=0.1, batch_size=100)
     worker.start()
     try:
         wait_until(lambda: len(subjects(tmp_path / "records.jsonl")) == 250, timeout=10)
@@ -234,4 +234,4 @@ def test_a_delivery_worker_hands_its_sink_at_most_its_batch_size_at_once(tmp_pat
         worker.stop(drain_timeout=0.1)
         outbox.close()
     with pytest.raises(ValueError, match="batch_size"):
-        DeliveryWorker(sink, outbox, metrics, batch_size=0)
+        DeliveryWorker(sink, outbox, batch_size=0)

@@ -23,7 +23,7 @@ def committer(tmp_path: Path, name: str) -> FleetCommitter:
 
 
 def records(outbox: Outbox) -> list[str]:
-    return [f"{record.type.rsplit('.', 1)[-1]}:{record.subject}" for _, record in outbox.take("file", 1000)]
+    return [f"{record.type.rsplit('.', 1)[-1]}:{record.subject}" for record in outbox.take("file", 1000).records]
 
 
 def test_a_successor_announces_only_what_its_predecessor_did_not(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_a_successor_announces_only_what_its_predecessor_did_not(tmp_path: Path)
     first.snapshot([news("Scheduled", "E-1"), news("Scheduled", "E-2")], started_at=99.0, complete=True)
     assert first.handover() is None          # two records wait for the sink: nothing handed over yet
     taken = first.outbox.take("file", 1000)
-    first.outbox.ack("file", taken[-1][0])
+    first.outbox.ack("file", taken.last)
     note = first.handover()
     assert note is not None and handover.decode(note) == {handover.digest(news("Scheduled", "E-1")),
                                                           handover.digest(news("Scheduled", "E-2"))}
@@ -55,7 +55,7 @@ def test_the_handover_carries_what_was_inherited_until_it_is_settled(tmp_path: P
     second.inherit(handover.encode(inherited))
     second.news([news("Scheduled", "E-1")])
     taken = second.outbox.take("file", 1000)
-    second.outbox.ack("file", taken[-1][0])
+    second.outbox.ack("file", taken.last)
     assert handover.decode(second.handover()) == inherited | {handover.digest(news("Scheduled", "E-1"))}
 
 

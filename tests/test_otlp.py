@@ -220,7 +220,6 @@ def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp
 
     from forewarn.imds.document import parse_document
     from forewarn.imds.instance import VmInfo
-    from forewarn.metrics import Metrics
     from forewarn.outbox.delivery import DeliveryWorker
     from forewarn.outbox.outbox import Outbox
     from forewarn.records import to_record
@@ -237,7 +236,7 @@ def test_grpc_channel_is_closed_while_idle_and_reopened_for_the_next_records(tmp
     peer = GrpcReceiver()
     sink = OtlpSink(endpoint=peer.endpoint, protocol="grpc")
     outbox = Outbox(tmp_path, [sink.name])
-    worker = DeliveryWorker(sink, outbox, Metrics(), idle_refresh=1.0)
+    worker = DeliveryWorker(sink, outbox, idle_refresh=1.0)
     worker.start()
     try:
         outbox.append(records(1))

@@ -19,7 +19,6 @@ import pytest
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
-from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker, stop_workers
 from forewarn.outbox.outbox import Outbox
 from forewarn.records import Record, to_record
@@ -201,7 +200,7 @@ def one_record() -> list[Record]:
 
 def drain(tmp_path: Path, sinks: Sequence[Any], timeout: float) -> tuple[float, Outbox, list[str]]:
     outbox = Outbox(tmp_path, [sink.name for sink in sinks])
-    workers = [DeliveryWorker(sink, outbox, Metrics()) for sink in sinks]
+    workers = [DeliveryWorker(sink, outbox) for sink in sinks]
     for worker in workers:
         worker.start()
     outbox.append(one_record())

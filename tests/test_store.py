@@ -52,12 +52,12 @@ class Told(OutboxObserver):
 
 
 def subjects(outbox: Outbox, sink: str) -> list[str]:
-    return [record.subject for _, record in outbox.take(sink, 100)]
+    return [record.subject for record in outbox.take(sink, 100).records]
 
 
 def ack_through(outbox: Outbox, sink: str, count: int) -> None:
     """Acknowledge the first `count` records waiting for `sink`."""
-    outbox.ack(sink, outbox.take(sink, count)[-1][0])
+    outbox.ack(sink, outbox.take(sink, count).last)
 
 
 def test_state_and_records_survive_reopening(tmp_path: Path) -> None:
@@ -79,7 +79,7 @@ def test_each_sink_has_its_own_cursor_and_what_every_sink_has_is_deleted(tmp_pat
     outbox.append(records(5), DOC)
     ack_through(outbox, "fast", 10)
     assert subjects(outbox, "fast") == [] and outbox.backlog("fast").records == 0
-    assert [record.subject for _, record in outbox.take("slow", 2)] == ["E0", "E1"]
+    assert [record.subject for record in outbox.take("slow", 2).records] == ["E0", "E1"]
     backlog = outbox.backlog("slow")
     assert backlog.records == 5 and backlog.oldest_created is not None
     ack_through(outbox, "slow", 3)

@@ -20,7 +20,7 @@ from forewarn.imds.client import ImdsClient
 from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox
-from forewarn.poller import OutboxMetrics, Poller
+from forewarn.poller import DeliveryMetrics, OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
@@ -73,7 +73,7 @@ def run_agent(settings: Settings) -> int:
                  DrainPolicy(settings.probe_lb_lead_time, settings.probe_lb_freeze_threshold))
 
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records, OutboxMetrics(metrics))
-    workers = [DeliveryWorker(sink, outbox, metrics) for sink in sinks]
+    workers = [DeliveryWorker(sink, outbox, DeliveryMetrics(metrics)) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
 

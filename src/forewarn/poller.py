@@ -18,11 +18,13 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from forewarn.backlog import Backlog
 from forewarn.imds.client import ImdsClient, ImdsError, Stopped
 from forewarn.imds.document import Document, DocumentError
 from forewarn.imds.instance import VmInfo
 from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
+from forewarn.outbox.delivery import DeliveryObserver
 from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
 from forewarn.records import to_record
 from forewarn.tracker import Change, ChangeKind, Tracker
@@ -44,9 +46,12 @@ class ChangeListener(Protocol):
 class StoreView(Protocol):
     def store_writable(self, writable: bool) -> None: ...
 
+    def backlog(self, sink: str, backlog: Backlog) -> None: ...
+
 
 class StoreMetrics(Protocol):
-    """What the outbox's observer reports to: the per-VM agent's Metrics, or fleet mode's."""
+    """What the outbox's and the delivery workers' observers report to: the per-VM agent's Metrics, or
+    fleet mode's."""
 
     @property
     def views(self) -> StoreView: ...
@@ -56,6 +61,12 @@ class StoreMetrics(Protocol):
 
     @property
     def outbox_dropped(self) -> Any: ...
+
+    @property
+    def records(self) -> Any: ...
+
+    @property
+    def record_failures(self) -> Any: ...
 
 
 class OutboxMetrics(OutboxObserver):
@@ -72,6 +83,23 @@ class OutboxMetrics(OutboxObserver):
 
     def writable_changed(self, writable: bool) -> None:
         self._metrics.views.store_writable(writable)
+
+
+class DeliveryMetrics(DeliveryObserver):
+    """What the delivery workers report, as metrics: records_total, record_failures_total and the
+    outbox_records gauge of each sink."""
+
+    def __init__(self, metrics: StoreMetrics) -> None:
+        self._metrics = metrics
+
+    def delivered(self, sink: str, count: int) -> None:
+        self._metrics.records.labels(sink).inc(count)
+
+    def delivery_failed(self, sink: str) -> None:
+        self._metrics.record_failures.labels(sink).inc()
+
+    def backlog(self, sink: str, backlog: Backlog) -> None:
+        self._metrics.views.backlog(sink, backlog)
 
 
 class Poller:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, overload
 
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
@@ -34,7 +34,11 @@ _ID_NAMESPACE = uuid.UUID("5a4d5bd4-3f0e-4c55-9a3c-0f0e7a7f2f8e")
 
 @dataclass(frozen=True)
 class Record:
-    """One CloudEvents structured-mode record. `data` is JSON-ready."""
+    """One CloudEvents structured-mode record. `data` is JSON-ready.
+
+    A record read back from the outbox keeps the JSON text it was stored as (`from_json`), so sending it
+    on as JSON costs no second serialisation; build a changed record with the constructor, never with
+    `dataclasses.replace`, which would carry the old text along."""
 
     id: str
     source: str
@@ -42,6 +46,7 @@ class Record:
     subject: str
     time: str
     data: Mapping[str, Any] = field(hash=False)
+    stored_json: str | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +61,8 @@ class Record:
         }
 
     def to_json(self) -> str:
+        if self.stored_json is not None:
+            return self.stored_json
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=False)
 
     @classmethod
@@ -68,6 +75,45 @@ class Record:
             time=value["time"],
             data=value["data"],
         )
+
+    @classmethod
+    def from_json(cls, text: str) -> Record:
+        """The record `to_json` wrote as `text`, keeping the text for the next `to_json`."""
+        value = json.loads(text)
+        return cls(id=value["id"], source=value["source"], type=value["type"], subject=value["subject"],
+                   time=value["time"], data=value["data"], stored_json=text)
+
+
+class JsonRecords(Sequence[Record]):
+    """Records held as the JSON text they were stored as, each parsed only when it is first read: a sink
+    that writes JSON lines (`json_lines`) never pays for parsing, the others parse each record once."""
+
+    def __init__(self, texts: Sequence[str]) -> None:
+        self.texts = list(texts)
+        self._parsed: list[Record | None] = [None] * len(self.texts)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Record]: ...
+
+    def __getitem__(self, index: int | slice) -> Record | Sequence[Record]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        record = self._parsed[index]
+        if record is None:
+            record = self._parsed[index] = Record.from_json(self.texts[index])
+        return record
+
+
+def json_lines(records: Sequence[Record]) -> str:
+    """The records as JSON lines (each followed by a newline), without parsing records held as text."""
+    texts = records.texts if isinstance(records, JsonRecords) else [record.to_json() for record in records]
+    return "\n".join(texts) + "\n" if texts else ""
 
 
 def record_id(vm_name: str, event_id: str, kind: str, incarnation: int) -> str:

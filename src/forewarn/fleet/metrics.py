@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from forewarn import __version__
+from forewarn.backlog import Backlog
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
@@ -33,7 +34,6 @@ from forewarn.imds.document import EVENT_TYPES
 from forewarn.metrics.core import EOF, Counter, Family, Gauge, Registry, encode, negotiate
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.metrics.exposition import NodeMetrics
-from forewarn.outbox.store import Backlog
 from forewarn.web.server import Request, Response, Stream
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")

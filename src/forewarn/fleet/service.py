@@ -37,7 +37,7 @@ from forewarn.fleet.tracker import FleetChange, FleetTracker
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox, StoreError
-from forewarn.poller import OutboxMetrics
+from forewarn.poller import DeliveryMetrics, OutboxMetrics
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.sources import STOP_WAIT, Source, Term
@@ -358,7 +358,7 @@ def run_fleet(settings: FleetSettings) -> int:
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
                     OutboxMetrics(metrics))
-    workers = [DeliveryWorker(sink, outbox, metrics, batch_size=DELIVERY_BATCH) for sink in sinks]
+    workers = [DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), batch_size=DELIVERY_BATCH) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
     committer = FleetCommitter(outbox, metrics, active=metrics.active)

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from forewarn import DEFAULT_API_VERSION, __version__
+from forewarn.backlog import Backlog
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES, Document
 from forewarn.metrics.core import EOF, Counter, Family, Gauge, Histogram, Registry, negotiate
 from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.view import ViewHolder
-from forewarn.outbox.store import Backlog
 
 OUTCOMES = ("completed", "cancelled")
 APPROVAL_RESULTS = ("approved", "dry_run", "failed")

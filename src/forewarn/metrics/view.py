@@ -12,9 +12,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from forewarn.backlog import Backlog
 from forewarn.imds.document import Document
 from forewarn.imds.instance import VmInfo
-from forewarn.outbox.store import Backlog
 
 
 @dataclass(frozen=True)

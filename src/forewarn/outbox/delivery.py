@@ -2,6 +2,8 @@
 
 Delivery never runs on the poll path: a sink that is down or slow only grows its own backlog. Each
 batch is retried with capped, jittered backoff until the sink takes it; only then does the cursor move.
+What the workers do is reported through a `DeliveryObserver`; the metrics implement it, so this package
+never imports them.
 """
 
 from __future__ import annotations
@@ -10,54 +12,62 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
+from forewarn.backlog import Backlog
 from forewarn.logs import StateLog
-from forewarn.outbox.outbox import Outbox
-from forewarn.outbox.store import Backlog, StoreError
+from forewarn.outbox.outbox import Batch, Outbox
+from forewarn.outbox.store import StoreError
 from forewarn.retry import Backoff
 from forewarn.sinks import Sink
 
 log = logging.getLogger(__name__)
 
-#: Records read from the outbox and handed to the sink at once (a worker may be given fewer).
+#: Records read from the outbox and handed to the sink at once, for a sink that names no `batch_size`.
 BATCH_SIZE = 500
+#: While a backlog drains, how often its size is read again for the gauge (a count reads every waiting
+#: row, so counting after every batch would cost more than the batches once the backlog is large).
+BACKLOG_REFRESH_SECONDS = 1.0
 
 
-class BacklogView(Protocol):
-    def backlog(self, sink: str, backlog: Backlog) -> None: ...
+class DeliveryObserver:
+    """What a delivery worker reports, from its own thread; this base class ignores it all (the metrics
+    of each mode implement it)."""
 
+    def delivered(self, sink: str, count: int) -> None:
+        """The sink took `count` more records."""
 
-class DeliveryMetrics(Protocol):
-    """What a delivery worker reports: the per-VM agent's Metrics, or fleet mode's."""
+    def delivery_failed(self, sink: str) -> None:
+        """A send to the sink failed (it is retried)."""
 
-    @property
-    def views(self) -> BacklogView: ...
-
-    @property
-    def records(self) -> Any: ...  # a prometheus_client Counter labelled by sink
-
-    @property
-    def record_failures(self) -> Any: ...
+    def backlog(self, sink: str, backlog: Backlog) -> None:
+        """What now waits for the sink."""
 
 
 class DeliveryWorker:
     """Delivers one sink's records. `stop()` first drains what is waiting, for at most its timeout:
-    records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox."""
+    records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox.
 
-    def __init__(self, sink: Sink, outbox: Outbox, metrics: DeliveryMetrics, stop: threading.Event | None = None,
-                 backoff: Backoff | None = None, idle_refresh: float = 30.0, batch_size: int = BATCH_SIZE) -> None:
+    Batches are the sink's `batch_size` records (BATCH_SIZE for a sink without one) unless `batch_size`
+    is given: one read of the outbox, one send, one acknowledging transaction each."""
+
+    def __init__(self, sink: Sink, outbox: Outbox, observer: DeliveryObserver | None = None,
+                 stop: threading.Event | None = None, backoff: Backoff | None = None, idle_refresh: float = 30.0,
+                 batch_size: int | None = None) -> None:
+        batch_size = batch_size if batch_size is not None else getattr(sink, "batch_size", BATCH_SIZE)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
         self.sink = sink
         self.batch_size = batch_size
         self._outbox = outbox
-        self._metrics = metrics
+        self._observer = observer or DeliveryObserver()
         self._stop = stop or threading.Event()
         self._draining = threading.Event()
         self._backoff = backoff or Backoff(base=0.5, cap=30.0)
         self._idle_refresh = idle_refresh
         self._failures = StateLog(log, f"sink {sink.name}")
+        self._backlog_read = float("-inf")
         self._thread = threading.Thread(target=self._run, name=f"deliver-{sink.name}", daemon=True)
 
     def start(self) -> None:
@@ -76,9 +86,14 @@ class DeliveryWorker:
         self._stop.set()
         self._outbox.wake(self.sink.name)
 
-    def _publish_backlog(self) -> None:
+    def _publish_backlog(self, now: bool = True) -> None:
+        """Report what waits for the sink: at once, or (`now` False, between the batches of a drain) when
+        the last report is older than BACKLOG_REFRESH_SECONDS."""
+        if not now and time.monotonic() - self._backlog_read < BACKLOG_REFRESH_SECONDS:
+            return
+        self._backlog_read = time.monotonic()
         try:
-            self._metrics.views.backlog(self.sink.name, self._outbox.backlog(self.sink.name))
+            self._observer.backlog(self.sink.name, self._outbox.backlog(self.sink.name))
         except Exception as exc:  # a metrics refresh must never stop delivery
             log.debug("cannot read backlog of %s: %s", self.sink.name, exc)
 
@@ -92,15 +107,46 @@ class DeliveryWorker:
         except Exception as exc:  # releasing is best effort; the next send reconnects either way
             log.debug("sink %s: idle clean-up failed: %s", self.sink.name, exc)
 
+    def _prepare(self, after: int = 0) -> Prepared:
+        """The next batch (past the acknowledged records, and past `after`), encoded when the sink encodes
+        apart from sending; raises StoreError when the outbox cannot be read."""
+        batch = self._outbox.take(self.sink.name, self.batch_size, after)
+        encode = getattr(self.sink, "encode", None)
+        if encode is None or not batch:
+            return Prepared(batch)
+        try:
+            return Prepared(batch, encode(batch.records))
+        except Exception as exc:  # reported as that batch's failed send, and retried as one
+            return Prepared(batch, error=exc)
+
+    def _send(self, prepared: Prepared) -> None:
+        if prepared.error is not None:
+            raise prepared.error
+        if prepared.payload is None:
+            self.sink.send(prepared.batch.records)
+        else:
+            self.sink.send_encoded(prepared.payload)  # type: ignore[attr-defined]
+
     def _run(self) -> None:
+        # The next batch is taken and encoded on a thread of its own while this one sends the current one:
+        # a sink that encodes apart from sending spends its CPU while the peer works, not after it. (One
+        # long-lived thread: a new thread per batch had the allocator add arenas, tens of MB of RSS.)
+        with ThreadPoolExecutor(1, thread_name_prefix=f"encode-{self.sink.name}") as encoder:
+            self._deliver(encoder)
+
+    def _deliver(self, encoder: ThreadPoolExecutor) -> None:
         attempt = 0
+        ahead: Future[Prepared] | None = None
         while not self._stop.is_set():
             try:
-                batch = self._outbox.take(self.sink.name, self.batch_size)
+                prepared = ahead.result() if ahead is not None else self._prepare()
             except StoreError as exc:
+                ahead = None
                 self._failures.failing("store", f"cannot read the outbox: {exc}")
                 self._stop.wait(self._backoff.delay(attempt))
                 continue
+            ahead = None
+            batch = prepared.batch
             if not batch:
                 self._publish_backlog()
                 if self._draining.is_set():
@@ -108,10 +154,15 @@ class DeliveryWorker:
                 if not self._outbox.wait(self.sink.name, self._idle_refresh):
                     self._idle()
                 continue
+            if prepared.payload is not None:
+                ahead = encoder.submit(self._prepare, batch.last)
             try:
-                self.sink.send([record for _, record in batch])
+                self._send(prepared)
             except Exception as exc:  # any sink failure is retried; the message is sink-provided
-                self._metrics.record_failures.labels(self.sink.name).inc()
+                if ahead is not None:  # prepared behind a batch that did not go: taken again after the wait
+                    wait([ahead])
+                    ahead = None
+                self._observer.delivery_failed(self.sink.name)
                 self._failures.failing(type(exc).__name__ + str(exc)[:60],
                                        f"delivery failed, will retry: {exc}")
                 self._publish_backlog()
@@ -122,14 +173,24 @@ class DeliveryWorker:
                 continue
             attempt = 0
             self._failures.ok()
-            self._metrics.records.labels(self.sink.name).inc(len(batch))
+            self._observer.delivered(self.sink.name, len(batch))
             try:
-                self._outbox.ack(self.sink.name, batch[-1][0])
+                self._outbox.ack(self.sink.name, batch.last)
             except StoreError as exc:
-                # Delivered but not remembered: the batch will be sent again (same record ids).
+                # Delivered but not remembered: sent again after a restart (same record ids), unless a later
+                # batch's acknowledgement covers it first.
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
                 self._stop.wait(0.5)
-            self._publish_backlog()
+            self._publish_backlog(now=False)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A batch ready to send: its records, and the sink's encoding of them (or the error encoding raised)."""
+
+    batch: Batch
+    payload: object | None = None
+    error: Exception | None = None
 
 
 #: The longest Retry-After honoured: a peer asking for an hour would otherwise hold the whole backlog.

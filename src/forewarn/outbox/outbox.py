@@ -14,19 +14,33 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from forewarn.backlog import Backlog
 from forewarn.imds.document import Document
 from forewarn.logs import StateLog
-from forewarn.outbox.store import DB_FILE, DEFAULT_MAX_RECORDS, Backlog, Store, StoreError
-from forewarn.records import Record
+from forewarn.outbox.store import DB_FILE, DEFAULT_MAX_RECORDS, Store, StoreError
+from forewarn.records import JsonRecords, Record
 
-__all__ = ["RETRY_SECONDS", "Backlog", "Outbox", "OutboxObserver", "StoreError"]
+__all__ = ["RETRY_SECONDS", "Backlog", "Batch", "Outbox", "OutboxObserver", "StoreError"]
 
 log = logging.getLogger(__name__)
 
 #: While the state dir is unusable, how often to try it again.
 RETRY_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What `take` read for one sink: its records, oldest first, and the sequence number that acknowledges
+    them all (0 when there are none)."""
+
+    records: JsonRecords
+    last: int
+
+    def __len__(self) -> int:
+        return len(self.records)
 
 
 class OutboxObserver:
@@ -128,12 +142,15 @@ class Outbox:
         self.wake()
         return dropped
 
-    def take(self, sink: str, limit: int) -> list[tuple[int, Record]]:
-        """Up to `limit` records `sink` has not acknowledged, oldest first, each with its sequence number."""
-        return self._store.fetch(sink, limit)
+    def take(self, sink: str, limit: int, after: int = 0) -> Batch:
+        """Up to `limit` records `sink` has not acknowledged, oldest first (one read of the store); only
+        those past sequence number `after` (a batch still being sent) when it is given."""
+        rows = self._store.fetch(sink, limit, after)
+        return Batch(JsonRecords([text for _, text in rows]), rows[-1][0] if rows else 0)
 
     def ack(self, sink: str, up_to: int) -> None:
-        """`sink` has every record up to sequence number `up_to`; what no sink still needs is deleted."""
+        """`sink` has every record up to sequence number `up_to` (a `Batch`'s `last`); what no sink still
+        needs is deleted, in one transaction."""
         self._store.ack(sink, up_to)
 
     @property

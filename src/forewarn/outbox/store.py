@@ -18,9 +18,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from forewarn.backlog import Backlog
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.records import Record
 
@@ -44,14 +44,6 @@ _memory_ids = itertools.count()
 
 class StoreError(Exception):
     """The store could not be read or written; the message says why (disk full, read-only, ...)."""
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """What waits for one sink: how many records and when the oldest was written."""
-
-    records: int
-    oldest_created: float | None
 
 
 class Store:
@@ -99,18 +91,27 @@ class Store:
                     self._users.notify_all()
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; raises StoreError (nothing written) on any SQLite failure."""
+    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction; raises StoreError (nothing written) on any SQLite failure.
+
+        `durable` False commits without waiting for the disk (WAL with synchronous=NORMAL): the commit
+        survives the process being killed, but a power cut may undo it."""
         with self._use() as conn, self._write_lock:
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                if not durable:
+                    conn.execute("PRAGMA synchronous=NORMAL")
                 try:
-                    yield conn
-                    conn.execute("COMMIT")
-                except BaseException:
-                    # On SQLITE_FULL and some I/O errors SQLite has already rolled back by itself.
-                    self._rollback(conn)
-                    raise
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        yield conn
+                        conn.execute("COMMIT")
+                    except BaseException:
+                        # On SQLITE_FULL and some I/O errors SQLite has already rolled back by itself.
+                        self._rollback(conn)
+                        raise
+                finally:
+                    if not durable:
+                        conn.execute("PRAGMA synchronous=FULL")
             except sqlite3.Error as exc:
                 raise StoreError(str(exc)) from exc
 
@@ -228,22 +229,27 @@ class Store:
     def _prune(self, conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM records WHERE seq <= (SELECT MIN(acked) FROM cursors)")
 
-    def fetch(self, sink: str, limit: int) -> list[tuple[int, Record]]:
-        """Up to `limit` records the sink has not acknowledged, oldest first."""
+    def fetch(self, sink: str, limit: int, after: int = 0) -> list[tuple[int, str]]:
+        """Up to `limit` records the sink has not acknowledged, past `after`, oldest first: sequence number
+        and JSON text (parsing is left to whoever reads the record: a sink that writes JSON needs none)."""
         try:
             with self._use() as conn:
                 rows = conn.execute(
-                    "SELECT seq, body FROM records WHERE seq > (SELECT acked FROM cursors WHERE sink = ?) "
+                    "SELECT seq, body FROM records WHERE seq > MAX(?, (SELECT acked FROM cursors WHERE sink = ?)) "
                     "ORDER BY seq LIMIT ?",
-                    (sink, limit),
+                    (after, sink, limit),
                 ).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
-        return [(seq, Record.from_dict(json.loads(body))) for seq, body in rows]
+        return [(int(seq), str(body)) for seq, body in rows]
 
     def ack(self, sink: str, seq: int) -> None:
-        """The sink has every record up to `seq`; drop what no sink still needs."""
-        with self._transaction() as conn:
+        """The sink has every record up to `seq`; drop what no sink still needs.
+
+        Not waited for on disk: an acknowledgement that a power cut undoes only sends its records again,
+        with the same ids (the delivery promise is at least once), while an fsync per batch cost as much
+        as writing a batch of 2,000 records to a file."""
+        with self._transaction(durable=False) as conn:
             conn.execute("UPDATE cursors SET acked = MAX(acked, ?) WHERE sink = ?", (seq, sink))
             self._prune(conn)
 

@@ -24,7 +24,12 @@ class SinkConfigError(ValueError):
 
 class Sink(Protocol):
     """A sink may also define `idle()`: the delivery worker calls it after a quiet spell (30 s with
-    nothing to send), to release what costs CPU while unused; `send` must work again afterwards."""
+    nothing to send), to release what costs CPU while unused; `send` must work again afterwards. And it
+    may define `batch_size`: how many records one `send` should get at most (the delivery worker's
+    default otherwise), for a sink whose cost per call (an fsync, a request) is worth spreading wider.
+    A sink whose encoding costs CPU may split `send` in two, `encode(records) -> payload` (no I/O that
+    needs retrying: raising counts as a failed send) and `send_encoded(payload)`; the worker then encodes
+    the next batch while the previous one is on its way."""
 
     #: Short, stable label for metrics and logs (`stdout`, `file:/var/log/x.jsonl`, ...).
     name: str

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from azure.eventhub import EventData, EventHubProducerClient
+from azure.eventhub import EventData, EventDataBatch, EventHubProducerClient
 from azure.eventhub.exceptions import EventHubError
 
 from forewarn.records import Record
@@ -84,10 +84,13 @@ class EventHubsSink:
                 "--sink eventhubs needs FOREWARN_EVENTHUBS_CONNECTION_STRING, --eventhubs-connection-string-file, "
                 "or --eventhubs-namespace with --eventhubs-name (Azure AD / managed identity)")
 
-    def send(self, records: Sequence[Record]) -> None:
+    def encode(self, records: Sequence[Record]) -> list[EventDataBatch]:
+        """The records as EventDataBatches, ready for `send_encoded`: one partition key per VM, a new batch
+        where one is full (building them is most of the cost: the client encodes every event as it adds it)."""
         groups: dict[str, list[Record]] = {}
         for record in records:
             groups.setdefault(partition_key(record), []).append(record)
+        batches = []
         try:
             for key, group in groups.items():
                 batch = self._client.create_batch(partition_key=key)
@@ -95,13 +98,27 @@ class EventHubsSink:
                     event = to_event(record)
                     try:
                         batch.add(event)
-                    except ValueError:  # the batch is full: send it, start the next one
-                        self._client.send_batch(batch, timeout=self.timeout)
+                    except ValueError:  # the batch is full: start the next one
+                        batches.append(batch)
                         batch = self._client.create_batch(partition_key=key)
                         batch.add(event)
+                batches.append(batch)
+        except EventHubError as exc:
+            raise self._error(exc) from exc
+        return batches
+
+    def send_encoded(self, batches: list[EventDataBatch]) -> None:
+        try:
+            for batch in batches:
                 self._client.send_batch(batch, timeout=self.timeout)
         except EventHubError as exc:
-            raise SinkError(f"Event Hubs {self.target}: {type(exc).__name__}: {scrub(str(exc))[:200]}") from exc
+            raise self._error(exc) from exc
+
+    def send(self, records: Sequence[Record]) -> None:
+        self.send_encoded(self.encode(records))
+
+    def _error(self, exc: EventHubError) -> SinkError:
+        return SinkError(f"Event Hubs {self.target}: {type(exc).__name__}: {scrub(str(exc))[:200]}")
 
     def close(self) -> None:
         self._client.close()

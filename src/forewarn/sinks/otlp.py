@@ -1,5 +1,9 @@
 """OTLP sink: one OpenTelemetry log record per change, exported synchronously.
 
+Over gRPC the request is encoded by `otlpwire` (the same bytes as the SDK's encoder, at a fraction of
+its cost) and sent by the SDK's exporter; over HTTP the SDK's exporter encodes it (it offers no seam
+for a request built beforehand).
+
 The delivery worker calls `send` and counts the batch delivered only when the exporter reports SUCCESS,
 so the outbox keeps every record until the backend acknowledged it (no fire-and-forget batch processor).
 
@@ -31,6 +35,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from forewarn import __version__
 from forewarn.records import Record
 from forewarn.sinks import SinkConfigError, SinkError
+from forewarn.sinks.otlpwire import EncodedLogs, LogFields, encode_request
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
@@ -122,6 +127,26 @@ def _nanos(rfc3339: str) -> int:
     return int(datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp() * 1e9)
 
 
+def _log_fields(record: Record) -> LogFields:
+    """What one log record carries: timestamps, severity, event name, body (the whole CloudEvent) and
+    attributes."""
+    started = record.data["event"].get("EventStatus") == "Started"
+    warn = started or record.data["change"] in ("removed", "approved")
+    severity = SeverityNumber.WARN if warn else SeverityNumber.INFO
+    nanos = _nanos(record.time)
+    return (nanos, nanos, severity.value, "WARN" if warn else "INFO",
+            f"azure.scheduled_event.{record.data['change']}", record.to_dict(), _attributes(record))
+
+
+def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
+    """The SDK's log record for `fields` (the HTTP exporter encodes these itself)."""
+    timestamp, observed, severity, severity_text, event_name, body, attributes = fields
+    log_record = LogRecord(timestamp=timestamp, observed_timestamp=observed,
+                           severity_number=SeverityNumber(severity), severity_text=severity_text, body=body,
+                           attributes=attributes, event_name=event_name)
+    return ReadableLogRecord(log_record, resource=resource, instrumentation_scope=_SCOPE)
+
+
 class OtlpSink:
     name = "otlp"
 
@@ -133,9 +158,9 @@ class OtlpSink:
 
     def _new_exporter(self) -> Any:
         if self.protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
+            from forewarn.sinks.otlpwire import grpc_exporter
 
-            return GrpcExporter(endpoint=self._endpoint)
+            return grpc_exporter(self._endpoint)
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
 
         return HttpExporter(endpoint=self._endpoint)
@@ -146,34 +171,38 @@ class OtlpSink:
         if self.protocol == "grpc":
             self.close()
 
-    def send(self, records: Sequence[Record]) -> None:
-        resources: dict[tuple[tuple[str, str], ...], Resource] = {}
-        batch = []
+    @staticmethod
+    def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
+        """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
+        by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
         for record in records:
-            vm = record.data.get("vm", {})
-            key = tuple(sorted(vm.items()))
-            if key not in resources:
-                resources[key] = resource_for(vm)
-            started = record.data["event"].get("EventStatus") == "Started"
-            warn = started or record.data["change"] in ("removed", "approved")
-            log_record = LogRecord(
-                timestamp=_nanos(record.time),
-                observed_timestamp=_nanos(record.time),
-                severity_number=SeverityNumber.WARN if warn else SeverityNumber.INFO,
-                severity_text="WARN" if warn else "INFO",
-                body=record.to_dict(),
-                attributes=_attributes(record),
-                event_name=f"azure.scheduled_event.{record.data['change']}",
-            )
-            batch.append(ReadableLogRecord(log_record, resource=resources[key], instrumentation_scope=_SCOPE))
+            by_vm.setdefault(tuple(sorted(record.data.get("vm", {}).items())), []).append(record)
+        groups: dict[Resource, list[Record]] = {}
+        for vm, group in by_vm.items():
+            groups.setdefault(resource_for(dict(vm)), []).extend(group)
+        return groups
+
+    def encode(self, records: Sequence[Record]) -> Any:
+        """The export of `records`, ready for `send_encoded`: over gRPC the request itself, over HTTP the
+        SDK's log records (its exporter encodes them)."""
+        groups = self._by_resource(records)
+        if self.protocol == "grpc":
+            logs = ((resource, [_log_fields(record) for record in group]) for resource, group in groups.items())
+            return EncodedLogs(encode_request(logs, _SCOPE), len(records))
+        return [_readable(_log_fields(record), resource) for resource, group in groups.items() for record in group]
+
+    def send_encoded(self, payload: Any) -> None:
         if self._exporter is None:
             self._exporter = self._new_exporter()
         try:
-            result = self._exporter.export(batch)
+            result = self._exporter.export(payload)
         except Exception as exc:  # the exporters raise for some transport errors instead of returning FAILURE
             raise SinkError(f"OTLP export ({self.protocol}) failed: {type(exc).__name__}") from exc
         if result != LogRecordExportResult.SUCCESS:
             raise SinkError(f"OTLP export ({self.protocol}) was not acknowledged")
+
+    def send(self, records: Sequence[Record]) -> None:
+        self.send_encoded(self.encode(records))
 
     def close(self) -> None:
         if self._exporter is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from forewarn.records import Record
+from forewarn.records import Record, json_lines
 from forewarn.sinks import SinkError
 
 
@@ -14,7 +14,7 @@ class StdoutSink:
 
     def send(self, records: Sequence[Record]) -> None:
         try:
-            sys.stdout.write("".join(record.to_json() + "\n" for record in records))
+            sys.stdout.write(json_lines(records))
             sys.stdout.flush()
         except (OSError, ValueError) as exc:
             raise SinkError(f"cannot write to standard output: {exc}") from exc

@@ -1,0 +1,84 @@
+"""The gRPC OTLP request forewarn encodes itself is the request the SDK's encoder builds, byte for byte."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from forewarn.imds.document import parse_document
+from forewarn.imds.instance import VmInfo
+from forewarn.records import JsonRecords, Record, approval_record, to_record
+from forewarn.sinks.otlp import _SCOPE, OtlpSink, _log_fields, _readable
+from forewarn.sinks.otlpwire import any_value, encode_request
+from forewarn.tracker import diff_documents
+
+AT = datetime(2024, 5, 1, 12, 0, 0, 123000, tzinfo=timezone.utc)
+VMS = [VmInfo(name="vm-0", vm_id="4d1824cf-fdc0-5660-b82f-b2a54105ac90", location="westeurope", zone="2",
+              resource_id="/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-0"),
+       VmInfo(name="vm-1")]
+
+
+def document(incarnation: int, status: str, *ids: str) -> Any:
+    return parse_document({"DocumentIncarnation": incarnation, "Events": [{
+        "EventId": event_id, "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["vm-0", "vm-1"],
+        "EventStatus": status, "NotBefore": "" if status == "Started" else "Mon, 11 Apr 2022 22:26:58 GMT",
+        "Description": "Host maintenance, \u00e9t\u00e9 \u2603", "EventSource": "Platform", "DurationInSeconds": 9}
+        for event_id in ids]})
+
+
+def sample_records() -> list[Record]:
+    """Every kind of change and an approval, from two VMs, read back from JSON as the outbox hands them out."""
+    first, second, third = document(1, "Scheduled", "A", "B"), document(2, "Started", "A"), document(3, "Started")
+    changes = [*diff_documents(None, first), *diff_documents(first, second), *diff_documents(second, third)]
+    records = [to_record(change, vm, AT) for vm in VMS for change in changes]
+    records.append(approval_record(first.events[0], VMS[0], "rule-1", True, 1, AT))
+    return list(JsonRecords([record.to_json() for record in records]))
+
+
+def sdk_request(sink: OtlpSink, records: list[Record]) -> Any:
+    groups = sink._by_resource(records)
+    return encode_logs([_readable(_log_fields(r), resource) for resource, group in groups.items() for r in group])
+
+
+def test_the_request_is_the_sdks_request_byte_for_byte() -> None:
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
+    try:
+        records = sample_records()
+        groups = sink._by_resource(records)
+        assert len(groups) == 2 and len(records) > 8
+        ours = encode_request(((resource, [_log_fields(r) for r in group]) for resource, group in groups.items()),
+                              _SCOPE)
+        theirs = sdk_request(sink, records)
+        assert ours == theirs
+        assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
+        assert sum(len(s.log_records) for r in ours.resource_logs for s in r.scope_logs) == len(records)
+    finally:
+        sink.close()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_any_json_value_encodes_as_the_sdk_encodes_it(value: Any) -> None:
+    from opentelemetry.exporter.otlp.proto.common._internal import _encode_value
+
+    assert AnyValue.FromString(any_value(value)) == _encode_value(value)
+
+
+def test_a_value_protobuf_cannot_carry_is_refused() -> None:
+    with pytest.raises(ValueError, match="int64"):
+        any_value(2**63)
+    with pytest.raises(ValueError, match="set"):
+        any_value({1, 2})
