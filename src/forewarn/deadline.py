@@ -110,6 +110,18 @@ class _DeadlineSocket:
                 continue
             view = view[sent:]
 
+    def recv(self, size: int) -> bytes:
+        """At most `size` bytes as soon as some arrive (b"" once the peer has closed), within the deadline."""
+        deadline = self.connection.deadline
+        while True:
+            self.sock.settimeout(deadline.slice())
+            try:
+                return self.sock.recv(size)
+            except TimeoutError:
+                continue
+            except ssl.SSLWantReadError:  # a TLS record only partly arrived within the slice
+                continue
+
     def makefile(self, mode: str) -> io.BufferedReader:
         self._readers += 1
         return io.BufferedReader(_DeadlineReader(self))
