@@ -100,10 +100,15 @@ class _DeadlineSocket:
         self._readers = 0
         self._closed = False
 
+    def _timeout(self, seconds: float) -> None:
+        # Nearly always the same slice: setting it again would cost a system call for nothing.
+        if self.sock.gettimeout() != seconds:
+            self.sock.settimeout(seconds)
+
     def sendall(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            self.sock.settimeout(self.connection.deadline.slice())
+            self._timeout(self.connection.deadline.slice())
             try:
                 sent = self.sock.send(view)
             except TimeoutError:
@@ -114,7 +119,7 @@ class _DeadlineSocket:
         """At most `size` bytes as soon as some arrive (b"" once the peer has closed), within the deadline."""
         deadline = self.connection.deadline
         while True:
-            self.sock.settimeout(deadline.slice())
+            self._timeout(deadline.slice())
             try:
                 return self.sock.recv(size)
             except TimeoutError:
@@ -189,4 +194,4 @@ class DeadlineConnection(http.client.HTTPConnection):
 
     def stale(self) -> bool:
         """Whether the idle connection was closed by the server (or has stray bytes): start afresh."""
-        return self.sock is not None and bool(select.select([self.sock], [], [], 0)[0])
+        return self.sock is not None and bool(select.select([self.sock.sock], [], [], 0)[0])

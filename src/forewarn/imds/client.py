@@ -280,7 +280,9 @@ class ImdsClient:
                 self._observe(method, code, time.monotonic() - started)
 
     def _parse_events(self, body: bytes) -> Document:
-        # Most polls return the bytes of the previous one; documents are immutable, so reuse it.
+        # Most polls return the bytes of the last good reply: documents are immutable, so hand back the same
+        # one, without decoding, checking or parsing again (the poller takes it as "nothing changed"). Only a
+        # reply that parsed is remembered, so a bad reply repeated is refused (and counted) every time.
         if self._last_reply is not None and self._last_reply[0] == body:
             return self._last_reply[1]
         document = parse_document(body)
