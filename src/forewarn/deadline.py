@@ -194,4 +194,7 @@ class DeadlineConnection(http.client.HTTPConnection):
 
     def stale(self) -> bool:
         """Whether the idle connection was closed by the server (or has stray bytes): start afresh."""
-        return self.sock is not None and bool(select.select([self.sock.sock], [], [], 0)[0])
+        if self.sock is None:
+            return False
+        raw = self.sock.sock if isinstance(self.sock, _DeadlineSocket) else self.sock  # select needs no Python call
+        return bool(select.select([raw], [], [], 0)[0])

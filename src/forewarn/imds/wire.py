@@ -15,6 +15,8 @@ Anything malformed is a `ProtocolError`, which the client reports as a failed co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from forewarn.deadline import Deadline, DeadlineConnection
 
 #: The status line and headers together (http.client allows 65,536 bytes per line and 100 headers).
@@ -33,15 +35,12 @@ class TooLarge(Exception):
     """The body is longer than the limit; the connection has been dropped."""
 
 
-class Reply:
+class Reply(NamedTuple):
     """Status, body and the one header the client uses (Retry-After)."""
 
-    __slots__ = ("status", "body", "retry_after")
-
-    def __init__(self, status: int, body: bytes, retry_after: str | None) -> None:
-        self.status = status
-        self.body = body
-        self.retry_after = retry_after
+    status: int
+    body: bytes
+    retry_after: str | None
 
 
 class PreparedGet:
