@@ -5,13 +5,15 @@ closes after each reply. Malformed replies are refused in tests/test_hostile_imd
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from forewarn.imds.client import ImdsClient, ImdsError, RateLimiter
 
-from peers.hostile_imds import HostileImds, Raw, Reply, document, event
+from peers.hostile_imds import Behaviour, HostileImds, Raw, Reply, document, event
 
 BODY = json.dumps(document(7, event("E1"))).encode()
 
@@ -19,6 +21,17 @@ BODY = json.dumps(document(7, event("E1"))).encode()
 def chunked(body: bytes, size: int = 10) -> bytes:
     parts = [body[i:i + size] for i in range(0, len(body), size)]
     return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
+
+
+class KeptRaw(Behaviour):
+    """Exactly these bytes, and the connection kept for the next request."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def answer(self, conn: socket.socket, stop: threading.Event) -> bool:
+        conn.sendall(self.data)
+        return True
 
 
 @pytest.fixture
@@ -36,14 +49,14 @@ def polls(peer: HostileImds, count: int = 3) -> list[int]:
         client.close()
 
 
-@pytest.mark.parametrize("reply", [
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(BODY),
-    b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY,  # ends with the connection
-    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY)
-    + BODY,
+@pytest.mark.parametrize("behaviour", [
+    KeptRaw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(BODY)),
+    Raw(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY),  # ends with the connection
+    Raw(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % len(BODY) + BODY),
 ], ids=["chunked", "to-close", "interim-reply"])
-def test_every_framing_of_a_reply_is_read(peer: HostileImds, reply: bytes) -> None:
-    peer.behaviour = Raw(reply)  # sent, then the connection closed: each poll connects again
+def test_every_framing_of_a_reply_is_read(peer: HostileImds, behaviour: Behaviour) -> None:
+    peer.behaviour = behaviour
     assert polls(peer) == [7, 7, 7]
     assert len(peer.events_requests()) == 3
 
