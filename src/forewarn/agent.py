@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from forewarn.poller import OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
+from forewarn.sources import StopSignal
 from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, readiness_check
 from forewarn.web.setup import web_gate, web_server
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def run_agent(settings: Settings) -> int:
     """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
     # Signals first: a SIGTERM while the parts are being built (a slow sink, a first IMDS call) stops cleanly.
-    stop = threading.Event()
+    stop = StopSignal()
     metrics = Metrics(api_version=settings.api_version)
     reloadable: list[Approver | None] = []
     handle_signals(stop, reload=lambda: reload_policy(settings, reloadable[0] if reloadable else None,

@@ -25,6 +25,7 @@ from forewarn.logs import StateLog
 from forewarn.metrics import Metrics
 from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
 from forewarn.records import to_record
+from forewarn.sources import StopSignal
 from forewarn.tracker import Change, ChangeKind, Tracker
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ class Poller:
         """Poll at a steady cadence until `stop` is set; setting it also ends a request under way."""
         if self.client.stop is None:
             self.client.stop = stop
+        pause = stop.pause if isinstance(stop, StopSignal) else stop.wait
         next_poll = time.monotonic()
         while not stop.is_set():
             started = time.monotonic()
@@ -267,4 +269,4 @@ class Poller:
                 # A retry, or a poll that took long (a slow reply, a wait for the request budget): count
                 # the next interval from now, rather than catching up with a poll right after this one.
                 next_poll = finished + delay
-            stop.wait(max(0.0, next_poll - time.monotonic()))
+            pause(max(0.0, next_poll - time.monotonic()))
