@@ -196,5 +196,6 @@ class DeadlineConnection(http.client.HTTPConnection):
         """Whether the idle connection was closed by the server (or has stray bytes): start afresh."""
         if self.sock is None:
             return False
-        raw = self.sock.sock if isinstance(self.sock, _DeadlineSocket) else self.sock  # select needs no Python call
+        # The socket itself: given the wrapper, select would call its fileno() in Python at every poll.
+        raw = self.sock.sock if isinstance(self.sock, _DeadlineSocket) else self.sock
         return bool(select.select([raw], [], [], 0)[0])
