@@ -4,6 +4,9 @@
   memory, with nothing but polling, at 1 and 5 polls/s; forewarn with Prometheus only, with the file
   sink, and with every sink configured (file, stdout, OTLP gRPC to a local receiver, Event Hubs to the
   local AMQP 1.0 peer); the baseline at the same rates. Polls are counted at the simulator.
+- changing document: the same, with the file sink and the baseline, when every poll brings a new document
+  (an event appears at one poll and is gone at the next, so each poll is one change: a record spooled,
+  delivered to the file and acknowledged; for the baseline, the events printed).
 - scrape: /metrics latency with 0, 10, 100 and 1,000 events (sequential scrapes on one kept-alive
   connection, as Prometheus scrapes, by a raw-socket client whose own cost is small: `requests` added about
   1 ms to each), beside a floor measured by the same client in the same run: a bare single-threaded
@@ -12,7 +15,7 @@
   second), while the poll cadence is measured at the simulator (jitter = how far each gap between
   polls is from the interval).
 
-    python bench/cost.py [--quick] [--only steady|scrape]
+    python bench/cost.py [--quick] [--only steady|changing|scrape]
 
 Results are printed and written to bench/results/cost.json.
 """
@@ -96,6 +99,56 @@ def steady(interval: float, seconds: float) -> dict[str, Any]:
     base = out["baseline"]["cpu_ms_per_poll"]
     for name in cases:
         out[name]["cpu_vs_baseline"] = round(out[name]["cpu_ms_per_poll"] / base, 3)
+    return out
+
+
+class ChangingSimulator(Simulator):
+    """Every Scheduled Events reply a new document: an event is added for one reply and gone at the next
+    (removed while Scheduled: cancelled), so each poll brings exactly one change."""
+
+    def __init__(self) -> None:
+        super().__init__(load_scenario("quiet"))
+        self._open: str | None = None
+
+    def document(self, api_version: str) -> dict[str, Any]:
+        with self._lock:
+            if self._open is None:
+                self._open = self.inject({"type": "Reboot", "notice": 900,
+                                          "description": "Host server is undergoing maintenance."})
+            else:
+                self.remove(self._open)
+                self._open = None
+            return super().document(api_version)
+
+
+def changing(interval: float, seconds: float) -> dict[str, Any]:
+    """CPU per poll when every poll changes the document: forewarn with the file sink, and the baseline."""
+    out: dict[str, Any] = {}
+    sim = ChangingSimulator()
+    server = SimulatorServer(sim).serve_in_background()
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = Collector(server.url, Path(tmp) / "state", interval, sinks=[f"file:{tmp}/records.jsonl"])
+        try:
+            out["file_sink"] = measure(sim, collector.pid, "forewarn/", seconds)
+        finally:
+            collector.stop()
+            server.stop()
+        with open(f"{tmp}/records.jsonl", "rb") as records:
+            out["file_sink"]["records"] = sum(1 for _ in records)
+    print(f"{interval:g} s changing, file sink: {out['file_sink']}", flush=True)
+    sim = ChangingSimulator()
+    server = SimulatorServer(sim).serve_in_background()
+    proc = subprocess.Popen([sys.executable, str(BENCH / "baseline.py"), server.url, "--interval", str(interval)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out["baseline"] = measure(sim, proc.pid, "python-requests/", seconds)
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
+    print(f"{interval:g} s changing, baseline: {out['baseline']}", flush=True)
+    ours, base = out["file_sink"], out["baseline"]
+    ours["cpu_vs_baseline"] = round(ours["cpu_ms_per_poll"] / base["cpu_ms_per_poll"], 3)
     return out
 
 
@@ -270,8 +323,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke check")
     parser.add_argument("--serve-floor", nargs=2, metavar=("PORT_FILE", "BODY_FILE"), help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["steady", "scrape"],
-                        help="run one part (steady: CPU per poll and RSS; scrape: /metrics and cadence)")
+    parser.add_argument("--only", choices=["steady", "changing", "scrape"],
+                        help="run one part (steady: CPU per poll and RSS; changing: CPU per poll when every poll "
+                             "changes the document; scrape: /metrics and cadence)")
     args = parser.parse_args()
     if args.serve_floor:
         serve_floor(*args.serve_floor)
@@ -282,6 +336,8 @@ def main() -> None:
     if args.only in (None, "steady"):
         results["steady_1_poll_per_s"] = steady(1.0, seconds)
         results["steady_5_polls_per_s"] = steady(0.2, seconds / 2)
+    if args.only in (None, "changing"):
+        results["changing_1_poll_per_s"] = changing(1.0, seconds)
     if args.only in (None, "scrape"):
         results["scrape"] = scrape(scrapes, busy)
     # a partial run gets its own file, so that report.py never reads half a result as the whole

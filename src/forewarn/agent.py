@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forewarn import __version__
 from forewarn.config import ConfigError, Settings, redact_url
-from forewarn.imds.client import ImdsClient
+from forewarn.imds.client import ImdsClient, RequestObserver
 from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox
@@ -24,6 +23,7 @@ from forewarn.poller import DeliveryMetrics, OutboxMetrics, Poller
 from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
+from forewarn.sources import StopSignal
 from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoints, exposition, readiness_check
 from forewarn.web.setup import web_gate, web_server
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def run_agent(settings: Settings) -> int:
     """`forewarn run`: build everything from settings, run until SIGTERM/SIGINT, return the exit code."""
     # Signals first: a SIGTERM while the parts are being built (a slow sink, a first IMDS call) stops cleanly.
-    stop = threading.Event()
+    stop = StopSignal()
     metrics = Metrics(api_version=settings.api_version)
     reloadable: list[Approver | None] = []
     handle_signals(stop, reload=lambda: reload_policy(settings, reloadable[0] if reloadable else None,
@@ -77,11 +77,8 @@ def run_agent(settings: Settings) -> int:
     for sink in sinks:
         metrics.add_sink(sink.name)
 
-    def observe(method: str, code: str, seconds: float) -> None:
-        metrics.imds_requests.labels(method, code).inc()
-        metrics.imds_duration.labels(method).observe(seconds)
-
-    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout, observe=observe,
+    client = ImdsClient(endpoint, settings.api_version, timeout=settings.imds_timeout,
+                        observe=request_observer(metrics),
                         max_reply_bytes=settings.imds_max_reply_bytes)
     collector = Poller(client, metrics, outbox, vm_name=settings.vm_name, poll_interval=settings.poll_interval,
                        max_backoff=settings.imds_max_backoff, compute_refresh=settings.compute_refresh)
@@ -113,6 +110,25 @@ def run_agent(settings: Settings) -> int:
         log.info("stopped")
         ignore_stop_signals()
     return 0
+
+
+def request_observer(metrics: Metrics) -> RequestObserver:
+    """Each IMDS request counted by method and outcome, and timed. A labelled child is looked up once and
+    kept: every poll makes a request, and `labels()` takes the family's lock and checks the labels each time."""
+    counters: dict[tuple[str, str], Any] = {}
+    histograms: dict[str, Any] = {}
+
+    def observe(method: str, code: str, seconds: float) -> None:
+        counter = counters.get((method, code))
+        if counter is None:
+            counter = counters[(method, code)] = metrics.imds_requests.labels(method, code)
+        histogram = histograms.get(method)
+        if histogram is None:
+            histogram = histograms[method] = metrics.imds_duration.labels(method)
+        counter.inc()
+        histogram.observe(seconds)
+
+    return observe
 
 
 def build_approver(settings: Settings, collector: Poller, client: ImdsClient, metrics: Metrics) -> Approver | None:

@@ -100,15 +100,32 @@ class _DeadlineSocket:
         self._readers = 0
         self._closed = False
 
+    def _timeout(self, seconds: float) -> None:
+        # Nearly always the same slice: setting it again would cost a system call for nothing.
+        if self.sock.gettimeout() != seconds:
+            self.sock.settimeout(seconds)
+
     def sendall(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            self.sock.settimeout(self.connection.deadline.slice())
+            self._timeout(self.connection.deadline.slice())
             try:
                 sent = self.sock.send(view)
             except TimeoutError:
                 continue
             view = view[sent:]
+
+    def recv(self, size: int) -> bytes:
+        """At most `size` bytes as soon as some arrive (b"" once the peer has closed), within the deadline."""
+        deadline = self.connection.deadline
+        while True:
+            self._timeout(deadline.slice())
+            try:
+                return self.sock.recv(size)
+            except TimeoutError:
+                continue
+            except ssl.SSLWantReadError:  # a TLS record only partly arrived within the slice
+                continue
 
     def makefile(self, mode: str) -> io.BufferedReader:
         self._readers += 1
@@ -177,4 +194,8 @@ class DeadlineConnection(http.client.HTTPConnection):
 
     def stale(self) -> bool:
         """Whether the idle connection was closed by the server (or has stray bytes): start afresh."""
-        return self.sock is not None and bool(select.select([self.sock], [], [], 0)[0])
+        if self.sock is None:
+            return False
+        # The socket itself: given the wrapper, select would call its fileno() in Python at every poll.
+        raw = self.sock.sock if isinstance(self.sock, _DeadlineSocket) else self.sock
+        return bool(select.select([raw], [], [], 0)[0])

@@ -27,6 +27,7 @@ from forewarn.metrics import Metrics
 from forewarn.outbox.delivery import DeliveryObserver
 from forewarn.outbox.outbox import Outbox, OutboxObserver, StoreError
 from forewarn.records import to_record
+from forewarn.sources import StopSignal
 from forewarn.tracker import Change, ChangeKind, Tracker
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ class Poller:
         self.clock = clock
         self.listeners: list[ChangeListener] = []
         self.tracker = Tracker(self._load_history())
+        #: The document of the last good poll. The client hands back this very object when a reply's bytes
+        #: equal the last good reply's (ImdsClient._parse_events), which is how a poll knows nothing changed.
+        self._last_good: Document | None = None
         self._imds_log = StateLog(log, "IMDS")
         self._warned: set[str] = set()
         self._next_compute = 0.0
@@ -195,27 +199,43 @@ class Poller:
 
     def handle_document(self, document: Document, now: float) -> list[Change]:
         """Everything that follows from one good document."""
-        for warning in document.warnings:
+        if document.warnings:
+            self._count_warnings(document.warnings)
+        if document is self._last_good:
+            # The same reply as the last good poll: the diff would be empty and the saved state is already
+            # this document, so only what every good poll does is left (the view's health and clock, the
+            # listeners). Nearly every poll takes this path.
+            changes: list[Change] = []
+            self.metrics.views.document_seen(self.tracker.current, now)
+        else:
+            self._last_good = document
+            changes = self.tracker.apply(document)
+            if changes:
+                self._track_status(document, now)
+                self.metrics.views.document_seen(self.tracker.current, now, self._since_view())
+                self._report(document, changes, now)
+            else:
+                self.metrics.views.document_seen(self.tracker.current, now)
+        self._tell_listeners(document, changes)
+        return changes
+
+    def _count_warnings(self, warnings: Sequence[str]) -> None:
+        """Every good poll counts its document's warnings; each distinct one is logged once."""
+        for warning in warnings:
             self.metrics.document_warnings.inc()
             if warning not in self._warned:
                 if len(self._warned) >= MAX_REMEMBERED_WARNINGS:
                     self._warned.clear()  # a reply that changes every second cannot grow memory
                 self._warned.add(warning)
                 log.warning("document: %s (event kept)", warning)
-        changes = self.tracker.apply(document)
-        if changes:
-            self._track_status(document, now)
-            self.metrics.views.document_seen(self.tracker.current, now, self._since_view())
-            self._report(document, changes, now)
-        else:
-            self.metrics.views.document_seen(self.tracker.current, now)
+
+    def _tell_listeners(self, document: Document, changes: Sequence[Change]) -> None:
         # Listeners see every good poll: approval timing depends on the clock, not only on changes.
         for listener in self.listeners:
             try:
                 listener.on_changes(document, changes, self.vm)
             except Exception:
                 log.exception("change listener %s failed", type(listener).__name__)
-        return changes
 
     def _track_status(self, document: Document, now: float) -> None:
         """Remember since when each event has had its current status (for the stuck-event alert)."""
@@ -266,6 +286,7 @@ class Poller:
         """Poll at a steady cadence until `stop` is set; setting it also ends a request under way."""
         if self.client.stop is None:
             self.client.stop = stop
+        pause = stop.pause if isinstance(stop, StopSignal) else stop.wait
         next_poll = time.monotonic()
         while not stop.is_set():
             started = time.monotonic()
@@ -276,4 +297,4 @@ class Poller:
                 # A retry, or a poll that took long (a slow reply, a wait for the request budget): count
                 # the next interval from now, rather than catching up with a poll right after this one.
                 next_poll = finished + delay
-            stop.wait(max(0.0, next_poll - time.monotonic()))
+            pause(max(0.0, next_poll - time.monotonic()))

@@ -13,6 +13,7 @@ process, or, in fleet mode, one term as the Lease holder.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +24,37 @@ log = logging.getLogger(__name__)
 
 #: How long a source may take to notice its stop before the caller carries on without it (it is a daemon).
 STOP_WAIT = 2.0
+
+
+class StopSignal(threading.Event):
+    """A stop event that one loop can also sleep on cheaply, between polls for instance.
+
+    `Event.wait` goes through a Condition: every call allocates a lock and runs a dozen lines of Python,
+    which the IMDS poll, sleeping once a second for ever, paid at every poll (a tenth of an unchanged poll's
+    CPU). `pause` waits on one lock kept locked for the purpose, which `set` releases. One thread at a time
+    may pause; any number may `wait` as on any Event.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gate = threading.Lock()
+        self._gate.acquire()
+
+    def set(self) -> None:
+        super().set()
+        if self._gate.locked():
+            with contextlib.suppress(RuntimeError):  # released by a concurrent set
+                self._gate.release()
+
+    def clear(self) -> None:
+        super().clear()
+        self._gate.acquire(blocking=False)  # locked again, whether or not a set had released it
+
+    def pause(self, seconds: float) -> bool:
+        """Sleep for `seconds` or until the event is set, whichever comes first; True when it is set."""
+        if seconds > 0 and not self.is_set():
+            self._gate.acquire(timeout=seconds)  # acquired only when `set` released it: the event is set
+        return self.is_set()
 
 
 class Source(Protocol):

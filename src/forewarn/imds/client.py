@@ -25,6 +25,7 @@ from forewarn.deadline import Deadline, DeadlineConnection
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
 from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
+from forewarn.imds.wire import PreparedGet, TooLarge
 from forewarn.retry import RetryableError, parse_retry_after
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -176,9 +177,9 @@ class ImdsClient:
         self._headers = {"Metadata": "true", "User-Agent": USER_AGENT, "Accept": "application/json"}
         self._events_target = f"{SCHEDULED_EVENTS_PATH}?{urlencode({'api-version': api_version})}"
         self._last_reply: tuple[bytes, Document] | None = None
-        # Polls (the same GET every second, forever) keep one connection alive; everything else is rare
-        # and opens its own.
-        self._poll = _connection(self.endpoint)
+        # Polls (the same GET every second, forever) keep one connection alive and send prepared bytes
+        # (imds/wire.py); everything else is rare and opens its own connection through http.client.
+        self._poll = PreparedGet(_connection(self.endpoint), self._events_target, self._headers)
         self._poll_lock = threading.Lock()
 
     def close(self) -> None:
@@ -222,6 +223,14 @@ class ImdsClient:
             conn.close()
         return response.status, bytes(data), response.getheader("Retry-After")
 
+    def _poll_exchange(self, what: str, deadline: Deadline) -> tuple[int, bytes, str | None]:
+        """The Scheduled Events GET on the kept-alive poll connection: status, body and Retry-After."""
+        try:
+            reply = self._poll.exchange(deadline, self.max_reply_bytes)
+        except TooLarge:
+            raise ReplyTooLarge(what, self.max_reply_bytes) from None
+        return reply.status, reply.body, reply.retry_after
+
     def _call(self, method: str, path: str, params: dict[str, str], timeout: float, body: Any = None,
               reserve: int = 0, parse: Callable[[bytes], T] | None = None, poll: bool = False) -> T | bytes:
         """A request within `timeout` seconds, observed once with its outcome: the HTTP status, `error`
@@ -231,13 +240,13 @@ class ImdsClient:
         started = time.monotonic()
         code = "error"
         deadline = Deadline(timeout, self.stop, Stopped)
-        target = f"{path}?{urlencode(params)}"
-        payload = json.dumps(body).encode() if body is not None else None
         try:
             if poll:
                 with self._poll_lock:
-                    status, data, retry_after = self._exchange(self._poll, method, target, payload, deadline)
+                    status, data, retry_after = self._poll_exchange(what, deadline)
             else:
+                target = f"{path}?{urlencode(params)}"
+                payload = json.dumps(body).encode() if body is not None else None
                 conn = _connection(self.endpoint)
                 try:
                     status, data, retry_after = self._exchange(conn, method, target, payload, deadline)
@@ -271,7 +280,9 @@ class ImdsClient:
                 self._observe(method, code, time.monotonic() - started)
 
     def _parse_events(self, body: bytes) -> Document:
-        # Most polls return the bytes of the previous one; documents are immutable, so reuse it.
+        # Most polls return the bytes of the last good reply: documents are immutable, so hand back the same
+        # one, without decoding, checking or parsing again (the poller takes it as "nothing changed"). Only a
+        # reply that parsed is remembered, so a bad reply repeated is refused (and counted) every time.
         if self._last_reply is not None and self._last_reply[0] == body:
             return self._last_reply[1]
         document = parse_document(body)

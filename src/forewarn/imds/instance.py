@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 #: API version used for `/metadata/instance/compute`; any GA version carries the fields read here.
@@ -33,8 +33,9 @@ class VmInfo:
         return VmInfo(**{**asdict(self), "name": name})
 
     def known(self) -> dict[str, str]:
-        """The non-empty fields, for records."""
-        return {key: value for key, value in asdict(self).items() if value}
+        """The non-empty fields, for records (every record carries them: asdict's deep copy was a fifth of the
+        poller's CPU for a changed document)."""
+        return {field.name: value for field in fields(self) if (value := getattr(self, field.name))}
 
 
 _COMPUTE_FIELDS = {

@@ -1,0 +1,192 @@
+"""The steady-state poll's connection: one prepared GET, its reply read without http.client.
+
+The poll is the same request every second, forever, and nearly every reply is the same few hundred bytes.
+Through `http.client` each one builds the request header by header and parses the reply's headers with the
+`email` package, which was half the CPU of a poll that changes nothing. Here the request's bytes are built
+once, and the reply is read with a few byte operations. Connect, the TLS handshake and every send and read
+still go through `DeadlineConnection`'s socket, so the request's `Deadline` and the stop signal bound them
+exactly as before.
+
+What is read, and the limits that protect it (http.client's own, so a hostile reply fails the same way):
+the status line and headers (at most `MAX_HEAD_BYTES` and `MAX_HEADERS`; interim 1xx replies are skipped),
+then a body framed by Content-Length, by chunks, or by the end of the connection, at most `limit` bytes.
+Anything malformed is a `ProtocolError`, which the client reports as a failed connection.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from forewarn.deadline import Deadline, DeadlineConnection
+
+#: The status line and headers together (http.client allows 65,536 bytes per line and 100 headers).
+MAX_HEAD_BYTES = 65536
+MAX_HEADERS = 100
+#: A chunk-size line, extensions included.
+MAX_CHUNK_LINE = 1024
+READ_SIZE = 65536
+
+
+class ProtocolError(ValueError):
+    """The reply is not HTTP/1.x as this reader accepts it."""
+
+
+class TooLarge(Exception):
+    """The body is longer than the limit; the connection has been dropped."""
+
+
+class Reply(NamedTuple):
+    """Status, body and the one header the client uses (Retry-After)."""
+
+    status: int
+    body: bytes
+    retry_after: str | None
+
+
+class PreparedGet:
+    """One kept-alive connection that sends the same GET each time and reads its reply."""
+
+    def __init__(self, connection: DeadlineConnection, target: str, headers: dict[str, str]) -> None:
+        self._conn = connection
+        lines = [f"GET {target} HTTP/1.1", f"Host: {_host_header(connection)}", "Accept-Encoding: identity",
+                 *(f"{name}: {value}" for name, value in headers.items())]
+        self._request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self._buffer = bytearray()
+
+    def close(self) -> None:
+        self._conn.close()
+        self._buffer.clear()
+
+    def exchange(self, deadline: Deadline, limit: int) -> Reply:
+        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes."""
+        conn = self._conn
+        conn.deadline = deadline
+        if conn.stale():
+            conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
+        try:
+            if conn.sock is None:
+                conn.connect()
+                self._buffer.clear()
+            conn.sock.sendall(self._request)
+            reply, keep = self._read_reply(limit)
+        except BaseException:
+            self.close()
+            raise
+        if not keep or self._buffer:
+            self.close()  # the server is done with it, or sent more than one reply: start afresh next time
+        return reply
+
+    # --- reading -------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        data = self._conn.sock.recv(READ_SIZE)
+        if not data:
+            raise ProtocolError("the connection closed before the reply was complete")
+        self._buffer += data
+
+    def _take(self, size: int) -> bytes:
+        while len(self._buffer) < size:
+            self._fill()
+        data = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        return data
+
+    def _take_line(self, most: int) -> bytes:
+        while (end := self._buffer.find(b"\r\n")) < 0:
+            if len(self._buffer) > most:
+                raise ProtocolError(f"a line longer than {most} bytes")
+            self._fill()
+        if end > most:
+            raise ProtocolError(f"a line longer than {most} bytes")
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 2]
+        return line
+
+    def _read_head(self) -> tuple[int, bool, dict[bytes, bytes]]:
+        """Status, whether the server speaks HTTP/1.1, and the headers (names in lower case)."""
+        while (end := self._buffer.find(b"\r\n\r\n")) < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                raise ProtocolError(f"reply headers longer than {MAX_HEAD_BYTES} bytes")
+            self._fill()
+        if end > MAX_HEAD_BYTES:
+            raise ProtocolError(f"reply headers longer than {MAX_HEAD_BYTES} bytes")
+        lines = bytes(self._buffer[:end]).split(b"\r\n")
+        del self._buffer[:end + 4]
+        version, _, rest = lines[0].partition(b" ")
+        code = rest[:3]
+        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit() or rest[3:4] not in (b"", b" "):
+            raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        if len(lines) - 1 > MAX_HEADERS:
+            raise ProtocolError(f"more than {MAX_HEADERS} reply headers")
+        headers: dict[bytes, bytes] = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name != name.strip():
+                raise ProtocolError(f"not a header line: {line[:80]!r}")
+            name = name.lower()
+            value = value.strip()
+            # Repeated headers are joined, as http.client's getheader does.
+            headers[name] = headers[name] + b", " + value if name in headers else value
+        return int(code), version == b"HTTP/1.1", headers
+
+    def _read_reply(self, limit: int) -> tuple[Reply, bool]:
+        """The reply, and whether the connection may carry the next request."""
+        status, http11, headers = self._read_head()
+        while 100 <= status < 200:  # interim replies (100 Continue) precede the real one
+            status, http11, headers = self._read_head()
+        connection = headers.get(b"connection", b"").lower()
+        keep = b"close" not in connection if http11 else b"keep-alive" in connection
+        retry_after = headers.get(b"retry-after")
+        if status in (204, 304):
+            body = b""
+        elif b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            body = self._read_chunked(limit)
+        elif (length := headers.get(b"content-length")) is not None:
+            if not length.isdigit():
+                raise ProtocolError(f"Content-Length is not a number: {length[:40]!r}")
+            if int(length) > limit:
+                raise TooLarge()
+            body = self._take(int(length))
+        else:  # the body ends with the connection
+            body = self._read_to_close(limit)
+            keep = False
+        return Reply(status, body, retry_after.decode("latin-1") if retry_after is not None else None), keep
+
+    def _read_chunked(self, limit: int) -> bytes:
+        body = bytearray()
+        while True:
+            size_text = self._take_line(MAX_CHUNK_LINE).partition(b";")[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise ProtocolError(f"not a chunk size: {size_text[:40]!r}") from None
+            if size < 0:
+                raise ProtocolError(f"not a chunk size: {size_text[:40]!r}")
+            if size == 0:
+                break
+            if len(body) + size > limit:
+                raise TooLarge()
+            body += self._take(size)
+            if self._take(2) != b"\r\n":
+                raise ProtocolError("a chunk does not end with CRLF")
+        for _ in range(MAX_HEADERS + 1):  # trailers, up to the empty line
+            if not self._take_line(MAX_HEAD_BYTES):
+                return bytes(body)
+        raise ProtocolError(f"more than {MAX_HEADERS} trailer lines")
+
+    def _read_to_close(self, limit: int) -> bytes:
+        while True:
+            if len(self._buffer) > limit:
+                raise TooLarge()
+            data = self._conn.sock.recv(READ_SIZE)
+            if not data:
+                body = bytes(self._buffer)
+                self._buffer.clear()
+                return body
+            self._buffer += data
+
+
+def _host_header(connection: DeadlineConnection) -> str:
+    """The Host header as http.client writes it: the port only when it is not the scheme's default."""
+    host = f"[{connection.host}]" if ":" in connection.host else connection.host
+    default = 443 if connection.context is not None else 80
+    return host if connection.port == default else f"{host}:{connection.port}"

@@ -1,0 +1,88 @@
+"""The poll's own HTTP reader (imds/wire.py) takes every framing HTTP/1.1 allows, as http.client did: a body
+sized by Content-Length, sent in chunks, or ended by the connection; interim 1xx replies; a server that
+closes after each reply. Malformed replies are refused in tests/test_hostile_imds.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from forewarn.imds.client import ImdsClient, ImdsError, RateLimiter
+
+from peers.hostile_imds import Behaviour, HostileImds, Raw, Reply, document, event
+
+BODY = json.dumps(document(7, event("E1"))).encode()
+
+
+def chunked(body: bytes, size: int = 10) -> bytes:
+    parts = [body[i:i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
+
+
+class KeptRaw(Behaviour):
+    """Exactly these bytes, and the connection kept for the next request."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def answer(self, conn: socket.socket, stop: threading.Event) -> bool:
+        conn.sendall(self.data)
+        return True
+
+
+@pytest.fixture
+def peer() -> Iterator[HostileImds]:
+    server = HostileImds()
+    yield server
+    server.stop()
+
+
+def polls(peer: HostileImds, count: int = 3) -> list[int]:
+    client = ImdsClient(peer.url, limiter=RateLimiter(limit=1000))
+    try:
+        return [client.get_scheduled_events().incarnation for _ in range(count)]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("behaviour", [
+    KeptRaw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(BODY)),
+    Raw(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY),  # ends with the connection
+    Raw(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % len(BODY) + BODY),
+], ids=["chunked", "to-close", "interim-reply"])
+def test_every_framing_of_a_reply_is_read(peer: HostileImds, behaviour: Behaviour) -> None:
+    peer.behaviour = behaviour
+    assert polls(peer) == [7, 7, 7]
+    assert len(peer.events_requests()) == 3
+
+
+def test_polls_keep_one_connection_and_send_the_imds_headers(peer: HostileImds) -> None:
+    peer.behaviour = Reply(body=BODY, headers={"Retry-After": "1", "X-Repeated": "a"})
+    assert polls(peer) == [7, 7, 7]
+    requests = peer.events_requests("GET")
+    assert len(requests) == 3
+    assert {request.path for request in requests} == {"/metadata/scheduledevents?api-version=2020-07-01"}
+    for request in requests:
+        assert request.headers["metadata"] == "true"
+        assert request.headers["user-agent"].startswith("forewarn/")
+        assert request.headers["host"] == f"127.0.0.1:{peer.port}"
+        assert "x-forwarded-for" not in request.headers
+    assert len(peer._conns) == 2  # the first call's own (it may take two minutes), then one kept alive
+
+
+def test_a_retry_after_reaches_the_error(peer: HostileImds) -> None:
+    peer.behaviour = Reply(status=503, body="busy", headers={"Retry-After": "7"})
+    client = ImdsClient(peer.url, limiter=RateLimiter(limit=1000))
+    try:
+        with pytest.raises(ImdsError) as failure:
+            client.get_scheduled_events()
+    finally:
+        client.close()
+    assert failure.value.code == 503
+    assert failure.value.retry_after == 7
+    assert "busy" in str(failure.value)
