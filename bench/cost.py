@@ -85,21 +85,25 @@ def steady(interval: float, seconds: float) -> dict[str, Any]:
                 amqp.stop()
                 server.stop()
         print(f"{interval:g} s {name}: {out[name]}", flush=True)
-    sim = Simulator(load_scenario("quiet"))
-    server = SimulatorServer(sim).serve_in_background()
-    proc = subprocess.Popen([sys.executable, str(BENCH / "baseline.py"), server.url, "--interval", str(interval)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        out["baseline"] = measure(sim, proc.pid, "python-requests/", seconds)
-    finally:
-        proc.kill()
-        proc.wait()
-        server.stop()
+    out["baseline"] = baseline(Simulator(load_scenario("quiet")), interval, seconds)
     print(f"{interval:g} s baseline: {out['baseline']}", flush=True)
     base = out["baseline"]["cpu_ms_per_poll"]
     for name in cases:
         out[name]["cpu_vs_baseline"] = round(out[name]["cpu_ms_per_poll"] / base, 3)
     return out
+
+
+def baseline(sim: Simulator, interval: float, seconds: float) -> dict[str, Any]:
+    """The documented polling loop (bench/baseline.py) against `sim`: CPU per poll and RSS."""
+    server = SimulatorServer(sim).serve_in_background()
+    proc = subprocess.Popen([sys.executable, str(BENCH / "baseline.py"), server.url, "--interval", str(interval)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return measure(sim, proc.pid, "python-requests/", seconds)
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
 
 
 class ChangingSimulator(Simulator):
@@ -136,16 +140,7 @@ def changing(interval: float, seconds: float) -> dict[str, Any]:
         with open(f"{tmp}/records.jsonl", "rb") as records:
             out["file_sink"]["records"] = sum(1 for _ in records)
     print(f"{interval:g} s changing, file sink: {out['file_sink']}", flush=True)
-    sim = ChangingSimulator()
-    server = SimulatorServer(sim).serve_in_background()
-    proc = subprocess.Popen([sys.executable, str(BENCH / "baseline.py"), server.url, "--interval", str(interval)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        out["baseline"] = measure(sim, proc.pid, "python-requests/", seconds)
-    finally:
-        proc.kill()
-        proc.wait()
-        server.stop()
+    out["baseline"] = baseline(ChangingSimulator(), interval, seconds)
     print(f"{interval:g} s changing, baseline: {out['baseline']}", flush=True)
     ours, base = out["file_sink"], out["baseline"]
     ours["cpu_vs_baseline"] = round(ours["cpu_ms_per_poll"] / base["cpu_ms_per_poll"], 3)
