@@ -107,7 +107,7 @@ def run(script: Sequence[Behaviour | None], state_dir: Path, parse_every_reply: 
             seen.append({"view": (view.imds_up, view.last_success, view.document, dict(view.status_since), view.vm,
                                   view.store_writable),
                          "metrics": exposition(metrics), "listener": copy.deepcopy(listener.calls)})
-        records = [record.to_dict() for _, record in outbox.take("file", 1000)]
+        records = [record.to_dict() for record in outbox.take("file", 1000).records]
         seen.append({"records": records, "saved": outbox.load_document()})
     finally:
         poller.client.close()
