@@ -7,7 +7,6 @@ endpoints, the outbox and its delivery workers, the sinks, the approver, and the
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,8 @@ from forewarn.web.endpoints import DrainPolicy, add_lb_probe, add_metrics_endpoi
 from forewarn.web.setup import web_gate, web_server
 
 if TYPE_CHECKING:  # the approval engine (jsonschema, YAML, requests for webhooks) loads only with --policy
+    import tempfile
+
     from forewarn.approval.actor import NodeActor
     from forewarn.approval.approver import Approver
 
@@ -57,6 +58,8 @@ def run_agent(settings: Settings) -> int:
             raise ConfigError(str(exc)) from None
         endpoint = simulator_server.url
         if state_dir is None:
+            import tempfile  # only for a simulated run: tempfile brings shutil, bz2 and lzma
+
             scratch = tempfile.TemporaryDirectory(prefix="forewarn-sim-", ignore_cleanup_errors=True)
             state_dir = Path(scratch.name)
         log.info("simulator: scenario %s at %gx speed on %s", simulator_server.simulator.scenario.name,

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from forewarn import __version__
-from forewarn.deadline import Deadline, DeadlineConnection
+from forewarn.deadline import Deadline
+from forewarn.httpconn import DeadlineConnection
 from forewarn.retry import RetryableError
 
 USER_AGENT = f"forewarn/{__version__}"

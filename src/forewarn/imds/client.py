@@ -11,9 +11,7 @@ Facts this relies on (see shared IMDS.md):
 from __future__ import annotations
 
 import collections
-import http.client
 import json
-import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +19,11 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 from forewarn import DEFAULT_API_VERSION, __version__
-from forewarn.deadline import Deadline, DeadlineConnection
+from forewarn.deadline import Connection, Deadline
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
 from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
-from forewarn.imds.wire import PreparedGet, TooLarge
+from forewarn.imds.wire import PreparedGet, TooLarge, Wire, request_bytes
 from forewarn.retry import RetryableError, parse_retry_after
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -137,13 +135,16 @@ class ReplyTooLarge(ImdsError):
         return "too_large"
 
 
-def _connection(endpoint: str) -> DeadlineConnection:
+def _connection(endpoint: str) -> Connection:
     """An HTTP/1.1 connection to IMDS whose every step honours the deadline its caller sets."""
     parts = urlsplit(endpoint)
-    tls = parts.scheme == "https"
-    return DeadlineConnection(parts.hostname or "", parts.port or (443 if tls else 80),
-                              context=ssl.create_default_context() if tls else None,
-                              connect_timeout=CONNECT_TIMEOUT, deadline=Deadline(CONNECT_TIMEOUT, stopped=Stopped))
+    context = None
+    if parts.scheme == "https":  # a test endpoint: IMDS itself is plain HTTP, and then ssl is never loaded
+        import ssl
+
+        context = ssl.create_default_context()
+    return Connection(parts.hostname or "", parts.port or (443 if context else 80), context=context,
+                      connect_timeout=CONNECT_TIMEOUT, deadline=Deadline(CONNECT_TIMEOUT, stopped=Stopped))
 
 
 class ImdsClient:
@@ -178,7 +179,7 @@ class ImdsClient:
         self._events_target = f"{SCHEDULED_EVENTS_PATH}?{urlencode({'api-version': api_version})}"
         self._last_reply: tuple[bytes, Document] | None = None
         # Polls (the same GET every second, forever) keep one connection alive and send prepared bytes
-        # (imds/wire.py); everything else is rare and opens its own connection through http.client.
+        # (imds/wire.py); everything else is rare and opens a connection of its own.
         self._poll = PreparedGet(_connection(self.endpoint), self._events_target, self._headers)
         self._poll_lock = threading.Lock()
 
@@ -193,40 +194,25 @@ class ImdsClient:
         settle again instead of queueing on the limiter in bursts."""
         return self.limiter.window / max(1, self.limiter.limit - POLL_RESERVE) + 0.01
 
-    def _exchange(self, conn: DeadlineConnection, method: str, target: str, body: bytes | None,
-                  deadline: Deadline) -> tuple[int, bytes, str | None]:
-        """One request on `conn`: status, body (at most max_reply_bytes) and Retry-After."""
-        conn.deadline = deadline
-        if conn.stale():
-            conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
-        headers = dict(self._headers)
-        if body is not None:
-            headers["Content-Type"] = "application/json"
+    def _exchange(self, what: str, method: str, target: str, body: bytes | None, deadline: Deadline,
+                  poll: bool) -> tuple[int, bytes, str | None]:
+        """One request: the Scheduled Events GET on the kept-alive poll connection, or any other on a
+        connection of its own. Status, body (at most max_reply_bytes) and Retry-After."""
         try:
-            conn.request(method, target, body=body, headers=headers)
-            response = conn.getresponse()
-            limit = self.max_reply_bytes
-            if response.length is not None and response.length > limit:
-                raise ReplyTooLarge(f"{method} {target.split('?')[0]}", limit)
-            data = bytearray()
-            while True:
-                piece = response.read(min(65536, limit + 1 - len(data)))
-                if not piece:
-                    break
-                data += piece
-                if len(data) > limit:
-                    raise ReplyTooLarge(f"{method} {target.split('?')[0]}", limit)
-        except BaseException:
-            conn.close()
-            raise
-        if response.will_close:
-            conn.close()
-        return response.status, bytes(data), response.getheader("Retry-After")
-
-    def _poll_exchange(self, what: str, deadline: Deadline) -> tuple[int, bytes, str | None]:
-        """The Scheduled Events GET on the kept-alive poll connection: status, body and Retry-After."""
-        try:
-            reply = self._poll.exchange(deadline, self.max_reply_bytes)
+            if poll:
+                with self._poll_lock:
+                    reply = self._poll.exchange(deadline, self.max_reply_bytes)
+            else:
+                conn = _connection(self.endpoint)
+                headers = dict(self._headers)
+                if body is not None:
+                    headers["Content-Type"] = "application/json"
+                wire = Wire(conn)
+                try:
+                    reply = wire.send(request_bytes(conn, method, target, headers, body), deadline,
+                                      self.max_reply_bytes)
+                finally:
+                    wire.close()
         except TooLarge:
             raise ReplyTooLarge(what, self.max_reply_bytes) from None
         return reply.status, reply.body, reply.retry_after
@@ -242,16 +228,11 @@ class ImdsClient:
         deadline = Deadline(timeout, self.stop, Stopped)
         try:
             if poll:
-                with self._poll_lock:
-                    status, data, retry_after = self._poll_exchange(what, deadline)
+                status, data, retry_after = self._exchange(what, method, self._events_target, None, deadline, True)
             else:
-                target = f"{path}?{urlencode(params)}"
                 payload = json.dumps(body).encode() if body is not None else None
-                conn = _connection(self.endpoint)
-                try:
-                    status, data, retry_after = self._exchange(conn, method, target, payload, deadline)
-                finally:
-                    conn.close()
+                status, data, retry_after = self._exchange(what, method, f"{path}?{urlencode(params)}", payload,
+                                                           deadline, False)
             code = str(status)
             if status != 200:
                 raise _status_error(what, status, data, retry_after)
@@ -272,7 +253,7 @@ class ImdsClient:
             raise
         except TimeoutError:
             raise ImdsError(f"{what}: no complete answer within {timeout:g} s", retryable=True) from None
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: wire.ProtocolError
             reason = str(exc) or type(exc).__name__
             raise ImdsError(f"{what}: connection failed ({reason[:200]})", retryable=True) from None
         finally:

@@ -12,7 +12,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from email.utils import format_datetime, parsedate_to_datetime
 from typing import Any
 
 from forewarn.imds.reply import ReplyError, capped, check_value, decode_reply
@@ -95,6 +94,12 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 _ISO_Z = re.compile(r"Z$", re.IGNORECASE)
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+#: NotBefore exactly as IMDS writes it; anything else goes to the email package's lenient parser, which
+#: is imported only then (1 MiB of modules an idle collector has no use for).
+_IMDS_FORM = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
+                        r"(\d{4}) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)
 #: The year of an RFC 1123 date: `Mon, 11 Apr 2022 22:26:58 GMT`.
 _RFC1123_YEAR = re.compile(r"\d{1,2}\s+[A-Za-z]{3}\s+(\d+)")
 
@@ -107,6 +112,16 @@ def parse_not_before(value: str) -> datetime:
     """
     text = value.strip()
     out_of_range = ValueError(f"NotBefore {shown(value)} is outside the range of dates forewarn handles")
+    form = _IMDS_FORM.fullmatch(text)
+    if form is not None and form[3] >= "0100":  # the email parser reads 0001-0099 as 20th/21st century years
+        day, month, year, hour, minute, second = form.groups()
+        try:
+            return datetime(int(year), _MONTHS.index(month) + 1, int(day), int(hour), int(minute), int(second),
+                            tzinfo=timezone.utc)
+        except ValueError:
+            pass  # 31 Feb, hour 24...: the lenient parser below says what is wrong, as for any other form
+    from email.utils import parsedate_to_datetime
+
     try:
         parsed = parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -133,7 +148,9 @@ def parse_not_before(value: str) -> datetime:
 
 def format_not_before(moment: datetime) -> str:
     """Format a time the way IMDS writes NotBefore (RFC 1123, GMT)."""
-    return format_datetime(moment.astimezone(timezone.utc), usegmt=True)
+    t = moment.astimezone(timezone.utc)
+    return (f"{_DAYS[t.weekday()]}, {t.day:02d} {_MONTHS[t.month - 1]} {t.year:04d} "
+            f"{t.hour:02d}:{t.minute:02d}:{t.second:02d} GMT")
 
 
 #: Whole-document limits; see imds/reply.py for what is checked on the raw bytes.

@@ -1,11 +1,13 @@
-"""The steady-state poll's connection: one prepared GET, its reply read without http.client.
+"""IMDS's HTTP/1.1, without http.client: a request's bytes written at once, its reply read with a few byte
+operations.
 
 The poll is the same request every second, forever, and nearly every reply is the same few hundred bytes.
-Through `http.client` each one builds the request header by header and parses the reply's headers with the
-`email` package, which was half the CPU of a poll that changes nothing. Here the request's bytes are built
-once, and the reply is read with a few byte operations. Connect, the TLS handshake and every send and read
-still go through `DeadlineConnection`'s socket, so the request's `Deadline` and the stop signal bound them
-exactly as before.
+Through `http.client` each one built the request header by header and parsed the reply's headers with the
+`email` package, which was half the CPU of a poll that changes nothing; here the poll's bytes are built
+once (`PreparedGet`). The IMDS client's other requests (instance metadata, approvals) go through the same
+reader (`Wire.send`), so an idle collector loads neither http.client nor the `email` package and `ssl` they
+import (6 MiB of resident memory together). Connect, the TLS handshake and every send and read go through
+`forewarn.deadline.Connection`, so the request's `Deadline` and the stop signal bound them all.
 
 What is read, and the limits that protect it (http.client's own, so a hostile reply fails the same way):
 the status line and headers (at most `MAX_HEAD_BYTES` and `MAX_HEADERS`; interim 1xx replies are skipped),
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from forewarn.deadline import Deadline, DeadlineConnection
+from forewarn.deadline import Connection, Deadline
 
 #: The status line and headers together (http.client allows 65,536 bytes per line and 100 headers).
 MAX_HEAD_BYTES = 65536
@@ -43,31 +45,41 @@ class Reply(NamedTuple):
     retry_after: str | None
 
 
-class PreparedGet:
-    """One kept-alive connection that sends the same GET each time and reads its reply."""
+def request_bytes(connection: Connection, method: str, target: str, headers: dict[str, str],
+                  body: bytes | None = None) -> bytes:
+    """A request as http.client writes it: Host and Accept-Encoding first, the body's length (a POST or PUT
+    without a body says 0), then `headers`, then the body."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {_host_header(connection)}", "Accept-Encoding: identity"]
+    if body is not None or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body or b'')}")
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
-    def __init__(self, connection: DeadlineConnection, target: str, headers: dict[str, str]) -> None:
+
+class Wire:
+    """Requests on one connection, kept alive between them while the server allows it."""
+
+    def __init__(self, connection: Connection) -> None:
         self._conn = connection
-        lines = [f"GET {target} HTTP/1.1", f"Host: {_host_header(connection)}", "Accept-Encoding: identity",
-                 *(f"{name}: {value}" for name, value in headers.items())]
-        self._request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self._buffer = bytearray()
 
     def close(self) -> None:
         self._conn.close()
         self._buffer.clear()
 
-    def exchange(self, deadline: Deadline, limit: int) -> Reply:
-        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes."""
+    def send(self, request: bytes, deadline: Deadline, limit: int) -> Reply:
+        """Send `request` (from `request_bytes`) and read its reply within `deadline`; the body at most
+        `limit` bytes (TooLarge beyond, with the connection dropped)."""
         conn = self._conn
         conn.deadline = deadline
         if conn.stale():
             conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
         try:
-            if conn.sock is None:
-                conn.connect()
+            sock = conn.sock
+            if sock is None:
+                sock = conn.connect()
                 self._buffer.clear()
-            conn.sock.sendall(self._request)
+            sock.sendall(request)
             reply, keep = self._read_reply(limit)
         except BaseException:
             self.close()
@@ -77,8 +89,13 @@ class PreparedGet:
         return reply
 
     # --- reading -------------------------------------------------------------------------------
+    def _recv(self) -> bytes:
+        sock = self._conn.sock
+        assert sock is not None  # connected by `send`, closed only after the reply is read
+        return sock.recv(READ_SIZE)
+
     def _fill(self) -> None:
-        data = self._conn.sock.recv(READ_SIZE)
+        data = self._recv()
         if not data:
             raise ProtocolError("the connection closed before the reply was complete")
         self._buffer += data
@@ -177,7 +194,7 @@ class PreparedGet:
         while True:
             if len(self._buffer) > limit:
                 raise TooLarge()
-            data = self._conn.sock.recv(READ_SIZE)
+            data = self._recv()
             if not data:
                 body = bytes(self._buffer)
                 self._buffer.clear()
@@ -185,7 +202,19 @@ class PreparedGet:
             self._buffer += data
 
 
-def _host_header(connection: DeadlineConnection) -> str:
+class PreparedGet(Wire):
+    """The same GET each time (the poll), its bytes built once."""
+
+    def __init__(self, connection: Connection, target: str, headers: dict[str, str]) -> None:
+        super().__init__(connection)
+        self._request = request_bytes(connection, "GET", target, headers)
+
+    def exchange(self, deadline: Deadline, limit: int) -> Reply:
+        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes."""
+        return self.send(self._request, deadline, limit)
+
+
+def _host_header(connection: Connection) -> str:
     """The Host header as http.client writes it: the port only when it is not the scheme's default."""
     host = f"[{connection.host}]" if ":" in connection.host else connection.host
     default = 443 if connection.context is not None else 80

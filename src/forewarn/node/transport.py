@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from forewarn.deadline import Deadline, DeadlineConnection
+from forewarn.deadline import Deadline
+from forewarn.httpconn import DeadlineConnection
 
 #: The largest answer read from the API server: a list of a full node's pods is a few MB at most.
 MAX_REPLY_BYTES = 32 * 2**20

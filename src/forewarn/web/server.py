@@ -23,22 +23,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import email.message
 import io
 import logging
 import re
 import selectors
 import socket
-import ssl
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import parse_qs, urlsplit
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,47 @@ _LINE_END = re.compile(r"\r?\n")
 SEPARATE_BODY_BYTES = 256 * 1024
 
 
+class Headers:
+    """A request's headers, read by name whatever its case; a repeated header keeps every value."""
+
+    __slots__ = ("_by_name", "_items")
+
+    def __init__(self, items: list[tuple[str, str]] | None = None) -> None:
+        self._items: list[tuple[str, str]] = []
+        self._by_name: dict[str, list[str]] = {}
+        for name, value in items or ():
+            self.add(name, value)
+
+    def add(self, name: str, value: str) -> None:
+        self._items.append((name, value))
+        self._by_name.setdefault(name.lower(), []).append(value)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The first value of `name`, or `default`."""
+        values = self._by_name.get(name.lower())
+        return values[0] if values else default
+
+    def get_all(self, name: str) -> list[str]:
+        return list(self._by_name.get(name.lower(), ()))
+
+    def items(self) -> list[tuple[str, str]]:
+        """Every header as sent, in order."""
+        return list(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._by_name
+
+    def __getitem__(self, name: str) -> str | None:
+        values = self._by_name.get(name.lower())
+        return values[0] if values else None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"Headers({self._items!r})"
+
+
 @dataclass(frozen=True)
 class Request:
     """One complete request. `target` is the path and query as sent; `body` is empty unless the server
@@ -64,7 +106,7 @@ class Request:
 
     method: str
     target: str
-    headers: email.message.Message
+    headers: Headers
     body: bytes
     client: tuple[Any, ...]
 
@@ -141,81 +183,99 @@ class _Route:
     public: bool = False  # answered without the Gate's authentication (a load balancer's probe)
 
 
-class _Exchange(BaseHTTPRequestHandler):
-    """Parses one request that the acceptor has read completely, dispatches it and builds the reply in
-    memory; the worker sends it in one write. BaseHTTPRequestHandler does the parsing and the HTTP
-    details (400 for a malformed request line, HTTP/1.0 and keep-alive, the Date and Server headers)."""
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_date_cache: tuple[int, str] = (0, "")
 
-    protocol_version = "HTTP/1.1"
-    # A malformed request line would otherwise get an HTTP/0.9 reply: a body without status or headers.
-    default_request_version = "HTTP/1.0"
+
+def http_date(moment: float | None = None) -> str:
+    """`moment` (now by default) as an HTTP Date header writes it: "Tue, 24 Nov 2026 09:30:00 GMT"."""
+    global _date_cache
+    second = int(time.time() if moment is None else moment)
+    cached = _date_cache
+    if cached[0] == second:
+        return cached[1]
+    t = time.gmtime(second)
+    text = (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year:04d} "
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
+    _date_cache = (second, text)
+    return text
+
+
+_PYTHON = "Python/{}.{}.{}".format(*sys.version_info[:3])
+
+
+class _Exchange:
+    """Parses one request that the acceptor has read completely, dispatches it and builds the reply in
+    memory: the status line and headers in `reply`, a large body apart in `payload`; the worker sends them.
+    HTTP/1.1 with keep-alive; HTTP/1.0 keeps the connection only when asked; every reply carries Date and
+    Server; a request refused before its handler gets a plain-text error and the connection is closed."""
 
     def __init__(self, head: bytes, body: bytes, client_address: Any, http: HttpServer) -> None:
-        # Deliberately not BaseRequestHandler.__init__, which would read from and serve a socket itself.
-        self.rfile = io.BytesIO(head)
-        self.reply = io.BytesIO()
-        self.wfile = self.reply
+        self.head = head
         self.body = body
         self.client_address = client_address
         self.http = http
-        self.server_version = http.server_version
+        self.reply = io.BytesIO()
         self.close_connection = True
+        self.command = ""
         self.action: Response | None = None  # a reset or a hang instead of an answer
         #: A large body, sent after `reply` (the status and headers) as it is, rather than copied behind them.
         self.payload: tuple[bytes, ...] | Stream = ()
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.client_address[0], *args)
+    def _start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        lines = [f"HTTP/1.1 {status} {reason}", f"Server: {self.http.server_version} {_PYTHON}",
+                 f"Date: {http_date()}"]
+        lines += [f"{name}: {value}" for name, value in headers]
+        self.reply.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace"))
 
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        """The request line without its query, which may carry a secret (an Event Grid webhook's ?code=)."""
-        method, _, rest = self.requestline.partition(" ")
-        target, _, version = rest.partition(" ")
-        log.debug('%s "%s %s %s" %s %s', self.client_address[0], method, target.split("?", 1)[0], version,
-                  code, size)
-
-    def handle_expect_100(self) -> bool:
-        # The acceptor has read the whole request before it gets here: a "100 Continue" would come late.
-        return True
-
-    def parse_request(self) -> bool:
-        """The request line and the headers, by the rules BaseHTTPRequestHandler follows (400 for a bad line or
-        version, 505 from HTTP/2.0, HTTP/0.9 only for GET, keep-alive from HTTP/1.1), without the email
-        package's parser, which took a fifth of a kept-alive scrape. The acceptor has bounded the head
-        (max_request_bytes). Answers the error itself and returns False when the request is refused."""
-        self.command = ""
-        self.request_version = version = self.default_request_version
+    def _refuse(self, status: int, explain: str) -> None:
+        """Answer a request refused before any handler ran, and close the connection."""
+        log.debug("%s: refused with %d: %s", self.client_address[0], status, explain)
         self.close_connection = True
-        self.requestline = line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        phrase = HTTPStatus(status).phrase
+        body = f"{status} {phrase}: {explain}\n".encode("utf-8", "replace")
+        self._start(status, phrase, [("Connection", "close"), ("Content-Type", "text/plain; charset=utf-8"),
+                                     ("Content-Length", str(len(body)))])
+        if self.command != "HEAD":
+            self.reply.write(body)
+
+    def parse(self) -> Request | None:
+        """The request, or None when it was refused (answered already): 400 for a malformed request line,
+        version or header line, 505 from HTTP/2.0, 431 past 100 headers; HTTP/0.9 only for GET;
+        keep-alive from HTTP/1.1, or when asked. The acceptor has bounded the head (max_request_bytes)."""
+        line_end = self.head.find(b"\n")
+        raw_line = self.head if line_end < 0 else self.head[:line_end + 1]
+        line = str(raw_line, "iso-8859-1").rstrip("\r\n")
+        self.request_version = "HTTP/1.0"  # also a request line without a version (HTTP/0.9)
         words = line.split()
         if not words:
-            return False
+            return None
         if len(words) >= 3:
             version = words[-1]
             number = version[5:].split(".") if version.startswith("HTTP/") else []
             if len(number) != 2 or not all(part.isdigit() and len(part) <= 10 for part in number):
-                self.send_error(400, f"Bad request version ({version!r})")
-                return False
+                self._refuse(400, f"bad request version ({version[:40]!r})")
+                return None
             major, minor = int(number[0]), int(number[1])
-            if (major, minor) >= (1, 1) and self.protocol_version >= "HTTP/1.1":
-                self.close_connection = False
-            if major >= 2:
-                self.send_error(505, f"Invalid HTTP version ({version[5:]})")
-                return False
+            self.close_connection = (major, minor) < (1, 1)
             self.request_version = version
+            if major >= 2:
+                self._refuse(505, f"HTTP version {version[5:][:20]} is not supported")
+                return None
         if not 2 <= len(words) <= 3:
-            self.send_error(400, f"Bad request syntax ({line!r})")
-            return False
-        self.command, self.path = words[:2]
+            self._refuse(400, f"bad request syntax ({line[:80]!r})")
+            return None
+        self.command, target = words[:2]
         if len(words) == 2:
             self.close_connection = True
             if self.command != "GET":
-                self.send_error(400, f"Bad HTTP/0.9 request type ({self.command!r})")
-                return False
-        if self.path.startswith("//"):  # not a scheme-relative URL to whoever reads it later
-            self.path = "/" + self.path.lstrip("/")
-        block = self.rfile.read().decode("iso-8859-1")
-        headers = email.message.Message()
+                self._refuse(400, f"bad HTTP/0.9 request type ({self.command[:20]!r})")
+                return None
+        if target.startswith("//"):  # not a scheme-relative URL to whoever reads it later
+            target = "/" + target.lstrip("/")
+        block = self.head[line_end + 1:].decode("iso-8859-1") if line_end >= 0 else ""
+        headers = Headers()
         for count, header in enumerate(_LINE_END.split(block)):
             if not header:
                 break
@@ -223,25 +283,23 @@ class _Exchange(BaseHTTPRequestHandler):
             if header[0] in " \t" or not colon or not name or name != name.strip():
                 # Folded lines and space before the colon are refused (RFC 9112, 5.1 and 5.2): proxies read
                 # them differently, which is how requests get smuggled.
-                self.send_error(400, "Bad header line")
-                return False
+                self._refuse(400, "bad header line")
+                return None
             if count >= _MAX_HEADERS:
-                self.send_error(431, "Too many headers")
-                return False
-            headers[name] = value.strip(" \t")
-        self.headers = headers
-        connection = headers.get("Connection", "").lower()
+                self._refuse(431, "too many headers")
+                return None
+            headers.add(name, value.strip(" \t"))
+        connection = (headers.get("Connection") or "").lower()
         if connection == "close":
             self.close_connection = True
-        elif connection == "keep-alive" and self.protocol_version >= "HTTP/1.1":
+        elif connection == "keep-alive":
             self.close_connection = False
-        return True
+        return Request(self.command, target, headers, self.body, self.client_address)
 
     def run(self) -> None:
-        self.raw_requestline = self.rfile.readline()
-        if not self.parse_request():  # it has answered the error itself (or there was no request line)
+        request = self.parse()
+        if request is None:  # refused and answered (or there was no request line)
             return
-        request = Request(self.command, self.path, self.headers, self.body, self.client_address)
         try:
             response = self.http._dispatch(request)
         except Exception:
@@ -251,16 +309,27 @@ class _Exchange(BaseHTTPRequestHandler):
             self.action = response
             self.close_connection = True
             return
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type)
         body = response.body
         length = len(body) if isinstance(body, bytes) else body.length if isinstance(body, Stream) else sum(
             map(len, body))
-        self.send_header("Content-Length", str(length))
+        headers = [("Content-Type", response.content_type), ("Content-Length", str(length))]
         extra = self.http.gate.headers() if self.http.gate is not None else {}
         for name, value in {**extra, **response.headers}.items():
-            self.send_header(name, value)
-        self.end_headers()
+            headers.append((name, value))
+            if name.lower() == "connection":  # a handler may end the connection (or keep an HTTP/1.0 one)
+                if value.lower() == "close":
+                    self.close_connection = True
+                elif value.lower() == "keep-alive":
+                    self.close_connection = False
+        status = response.status
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        # The request line without its query, which may carry a secret (an Event Grid webhook's ?code=).
+        log.debug('%s "%s %s %s" %s %s', self.client_address[0], self.command, request.target.split("?", 1)[0],
+                  self.request_version, status, length)
+        self._start(status, phrase, headers)
         if self.command == "HEAD":
             return
         if not isinstance(body, bytes):
@@ -268,7 +337,7 @@ class _Exchange(BaseHTTPRequestHandler):
         elif len(body) > SEPARATE_BODY_BYTES:
             self.payload = (body,)
         else:
-            self.wfile.write(body)
+            self.reply.write(body)
 
 
 class _Connection:
@@ -365,6 +434,13 @@ class HttpServer:
         self.read_timeout = read_timeout
         self.gate = gate
         self.tls = gate is not None and gate.tls_enabled
+        # Reads that found nothing to read yet; with TLS, also a record only partly arrived (ssl is loaded
+        # only for a TLS port: 4 MiB an idle collector without TLS does not pay).
+        self._not_yet: tuple[type[BaseException], ...] = (BlockingIOError,)
+        if self.tls:
+            import ssl
+
+            self._not_yet = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
         self.max_connections = max_connections
         self.max_request_bytes = max_request_bytes
         self.max_body_bytes = max_body_bytes
@@ -569,6 +645,8 @@ class HttpServer:
 
     def _handshake(self, conn: _Connection) -> None:
         """One step of a non-blocking TLS handshake; the connection's read deadline bounds all of them."""
+        import ssl  # loaded already: the port speaks TLS
+
         assert isinstance(conn.sock, ssl.SSLSocket)
         try:
             conn.sock.do_handshake()
@@ -590,9 +668,10 @@ class HttpServer:
         try:
             data = conn.sock.recv(_READ_CHUNK)
             # TLS: the rest of a record already decrypted is in OpenSSL's buffer, which no selector sees.
-            while isinstance(conn.sock, ssl.SSLSocket) and data and conn.sock.pending():
+            pending = getattr(conn.sock, "pending", None)  # an SSLSocket's
+            while data and pending is not None and pending():
                 data += conn.sock.recv(_READ_CHUNK)
-        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        except self._not_yet:
             return
         except OSError:
             data = b""
