@@ -86,3 +86,37 @@ def test_a_retry_after_reaches_the_error(peer: HostileImds) -> None:
     assert failure.value.code == 503
     assert failure.value.retry_after == 7
     assert "busy" in str(failure.value)
+
+
+def test_replies_that_differ_only_in_their_date_are_read_alike_and_any_other_header_is_read_again(
+        peer: HostileImds) -> None:
+    # The reader parses a head once and reuses it for the next one that differs only in its Date line.
+    client = ImdsClient(peer.url, limiter=RateLimiter(limit=1000))
+    client._enabled = True  # the kept-alive poll connection from the first poll on
+
+    def reply(status: int, date: str, **headers: str) -> KeptRaw:
+        lines = "".join(f"{name.replace('_', '-')}: {value}\r\n" for name, value in headers.items())
+        body = BODY if status == 200 else b"busy"
+        return KeptRaw(b"HTTP/1.1 %d X\r\nDate: %s\r\n%sContent-Length: %d\r\n\r\n%s"
+                       % (status, date.encode(), lines.encode(), len(body), body))
+
+    retry_afters = []
+    try:
+        for date, seconds in [("Tue, 24 Nov 2026 10:00:00 GMT", "1"), ("Tue, 24 Nov 2026 10:00:01 GMT", "1"),
+                              ("Tue, 24 Nov 2026 10:00:02 GMT", "7"), ("Tue, 24 Nov 2026 10:00:03 GMT", "3")]:
+            peer.behaviour = reply(429, date, Retry_After=seconds)
+            with pytest.raises(ImdsError) as failure:
+                client.get_scheduled_events()
+            retry_afters.append(failure.value.retry_after)
+        peer.behaviour = reply(200, "Tue, 24 Nov 2026 10:00:04 GMT", Retry_After="3")
+        assert client.get_scheduled_events().incarnation == 7  # the status line is read again too
+        assert client._poll._conn.sock is not None  # kept alive
+        peer.behaviour = reply(200, "Tue, 24 Nov 2026 10:00:05 GMT", Connection="close")
+        assert client.get_scheduled_events().incarnation == 7
+        assert client._poll._conn.sock is None  # "Connection: close" was obeyed
+        peer.behaviour = reply(200, "Tue, 24 Nov 2026 10:00:06 GMT")
+        assert client.get_scheduled_events().incarnation == 7
+        assert client._poll._conn.sock is not None
+    finally:
+        client.close()
+    assert retry_afters == [1, 1, 7, 3]

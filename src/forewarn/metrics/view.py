@@ -33,6 +33,13 @@ class View:
     store_writable: bool = True
     status_since: Mapping[str, float] = field(default_factory=dict)
 
+    def succeeded_at(self, now: float) -> View:
+        """This view with `last_success` at `now`, everything else the same objects."""
+        view = object.__new__(View)
+        view.__dict__.update(self.__dict__)
+        object.__setattr__(view, "last_success", now)
+        return view
+
 
 class ViewHolder:
     """The current View; every operation swaps it atomically and is safe from several threads."""
@@ -50,8 +57,13 @@ class ViewHolder:
         """A poll succeeded at `now` and `document` is the current one; `status_since` is given when an
         event's status changed (leaving it out keeps the previous mapping, and so the cached rendering)."""
         with self._lock:
-            self._view = replace(self._view, document=document, imds_up=True, last_success=now,
-                                 status_since=self._view.status_since if status_since is None else status_since)
+            view = self._view
+            if status_since is None and view.document is document and view.imds_up:
+                # Nearly every poll: only the time moves (a copy of the fields, a tenth of `replace`'s cost).
+                self._view = view.succeeded_at(now)
+                return
+            self._view = replace(view, document=document, imds_up=True, last_success=now,
+                                 status_since=view.status_since if status_since is None else status_since)
 
     def document_resumed(self, document: Document | None, status_since: Mapping[str, float]) -> None:
         """The document saved by an earlier run, shown at start: known, yet not a successful poll."""
