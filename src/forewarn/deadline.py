@@ -58,7 +58,13 @@ class Deadline:
         return left
 
     def slice(self) -> float:
-        return min(self.remaining(), self.SLICE)
+        """At most SLICE of what is left (raising as `remaining` does); called before every wait."""
+        if self.stop is not None and self.stop.is_set():
+            raise self.stopped()
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {self.seconds:g} s")
+        return left if left < self.SLICE else self.SLICE
 
     def within(self, seconds: float) -> Deadline:
         """A deadline `seconds` from now, or this one when it is sooner (with the same stop signal)."""
@@ -237,7 +243,8 @@ class Connection:
         return self.sock
 
     def stale(self) -> bool:
-        return is_stale(self.sock)
+        sock = self.sock  # as `is_stale`, without the call: every poll asks
+        return sock is not None and bool(select.select([sock.sock], [], [], 0)[0])
 
     def close(self) -> None:
         sock, self.sock = self.sock, None

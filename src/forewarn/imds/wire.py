@@ -92,13 +92,8 @@ class Wire:
         return reply
 
     # --- reading -------------------------------------------------------------------------------
-    def _recv(self) -> bytes:
-        sock = self._conn.sock
-        assert sock is not None  # connected by `send`, closed only after the reply is read
-        return sock.recv(READ_SIZE)
-
     def _fill(self) -> None:
-        data = self._recv()
+        data = self._conn.sock.recv(READ_SIZE)  # type: ignore[union-attr]  # connected by `send`
         if not data:
             raise ProtocolError("the connection closed before the reply was complete")
         self._buffer += data
@@ -211,7 +206,7 @@ class Wire:
         while True:
             if len(self._buffer) > limit:
                 raise TooLarge()
-            data = self._recv()
+            data = self._conn.sock.recv(READ_SIZE)  # type: ignore[union-attr]  # connected by `send`
             if not data:
                 body = bytes(self._buffer)
                 self._buffer.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, Protocol
 
@@ -231,12 +232,11 @@ class HistogramChild:
                        f"{name}_count{labels.text(values)} ", f"{name}_sum{labels.text(values)} ")
 
     def observe(self, amount: float) -> None:
+        i = bisect_left(self._bounds, amount)  # the first bucket whose bound is >= amount
         with self._lock:
             self._sum += amount
-            for i, bound in enumerate(self._bounds):
-                if amount <= bound:
-                    self._counts[i] += 1
-                    break
+            if i < len(self._counts) and amount <= self._bounds[i]:  # NaN falls in no bucket
+                self._counts[i] += 1
 
     def state(self) -> object:
         with self._lock:
