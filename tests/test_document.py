@@ -206,3 +206,24 @@ def test_very_long_strings_are_clipped_with_a_warning() -> None:
                                           "Events": [_event(Description="x" * 1_000_000)]}).encode())
     assert len(document.events[0].description or "") == 32 * 1024
     assert any("clipped" in warning for warning in document.warnings)
+
+
+@given(st.datetimes(min_value=datetime(100, 1, 1), max_value=datetime(9999, 12, 31, 23, 59, 59)))
+def test_not_before_in_imds_form_reads_and_writes_as_the_email_package_does(moment: datetime) -> None:
+    # NotBefore as IMDS writes it is parsed, and written, without the email package (not loaded at idle);
+    # both must agree with it for every date it can hold.
+    from email.utils import format_datetime, parsedate_to_datetime
+
+    from forewarn.imds.document import format_not_before
+
+    moment = moment.replace(microsecond=0, tzinfo=timezone.utc)
+    text = format_datetime(moment, usegmt=True)
+    assert format_not_before(moment) == text
+    assert parse_not_before(text) == parsedate_to_datetime(text) == moment
+
+
+@pytest.mark.parametrize("text", ["Mon, 01 Jan 0001 00:00:00 GMT", "Mon, 31 Feb 2026 10:00:00 GMT",
+                                  "Mon, 01 Jan 2026 24:00:00 GMT"])
+def test_not_before_in_imds_form_that_names_no_real_moment_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="NotBefore"):
+        parse_not_before(text)

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
@@ -488,3 +489,22 @@ def test_http_1_0_closes_unless_it_asks_for_keep_alive_and_0_9_is_only_get(serve
     with connect(port_of(web), timeout=5) as sock:
         sock.sendall(b"POST /echo\r\n\r\n")
         assert b" 400 " in read_until_closed(sock).split(b"\r\n", 1)[0]
+
+
+def test_the_date_header_is_written_as_http_wants_it() -> None:
+    from email.utils import formatdate
+
+    from forewarn.web.server import http_date
+
+    for moment in (0, 951782400, 1_795_000_000.7, 4_102_444_799):  # 1970, a leap day, 2026, the end of 2099
+        assert http_date(moment) == formatdate(int(moment), usegmt=True)
+
+
+def test_every_answer_carries_date_and_server(serve: Callable[..., HttpServer]) -> None:
+    web = serve({"/echo": echo})
+    with connect(port_of(web), timeout=5) as sock:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head = read_until_closed(sock).split(b"\r\n\r\n", 1)[0].decode()
+    fields = dict(line.split(": ", 1) for line in head.split("\r\n")[1:])
+    assert fields["Server"].startswith("forewarn Python/")
+    assert abs(parsedate_to_datetime(fields["Date"]).timestamp() - time.time()) < 5
