@@ -16,7 +16,7 @@ from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.records import JsonRecords, Record, approval_record, to_record
 from forewarn.sinks.otlp import _SCOPE, OtlpSink, _log_fields, _readable
-from forewarn.sinks.otlpwire import any_value, encode_request
+from forewarn.sinks.otlpwire import EncodedLogs, any_value, encode_request
 from forewarn.tracker import diff_documents
 
 AT = datetime(2024, 5, 1, 12, 0, 0, 123000, tzinfo=timezone.utc)
@@ -83,3 +83,18 @@ def test_a_value_protobuf_cannot_carry_is_refused() -> None:
         any_value(2**63)
     with pytest.raises(ValueError, match="set"):
         any_value({1, 2})
+
+
+def test_the_exporter_sends_the_encoded_bytes_through_its_own_client() -> None:
+    """The exporter's private `_stub` and `_client` carry the serialised request (no parse and serialise again),
+    also after the exporter reopens its channel; a new SDK that stops using them fails here."""
+    from forewarn.sinks.otlpwire import SerializedLogsStub, grpc_exporter
+
+    exporter = grpc_exporter("http://127.0.0.1:9")
+    try:
+        assert isinstance(exporter._client, SerializedLogsStub)
+        assert exporter._translate_data(EncodedLogs(b"\x0a\x00", 1)) == b"\x0a\x00"
+        exporter._initialize_channel_and_stub()  # what it does after an UNAVAILABLE
+        assert isinstance(exporter._client, SerializedLogsStub)
+    finally:
+        exporter.shutdown()

@@ -244,7 +244,7 @@ def grpc_exporter(endpoint: str | None) -> Any:
         def __init__(self, endpoint: str | None) -> None:
             super().__init__(endpoint=endpoint)
             self._stub = SerializedLogsStub
-            self._client = SerializedLogsStub(self._channel)
+            self._client = self._stub(self._channel)
 
         def _translate_data(self, data: Any) -> Any:
             if not isinstance(data, EncodedLogs):
