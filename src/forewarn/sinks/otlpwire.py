@@ -121,11 +121,15 @@ def _key(key: str) -> bytes:
     return encoded
 
 
-#: Per container tag, entries with a string value already encoded, by (key, value): a record's strings mostly
-#: repeat from one record to the next (its VM, the event's type, resources, description, the record's type).
-#: Each is cleared when full: the values seen once (ids, times) fill it, the repeated ones come right back.
-_ENTRIES: dict[bytes, dict[tuple[str, str], bytes]] = {}
+#: Per container tag, entries already encoded: by (key, value) for a string value, by (key, value, type) for an
+#: int or a bool (True == 1), by (key, tuple, list) for a list of strings. A backlog's records mostly repeat
+#: these from one record to the next (the VM, the event's type and status, its resources and description, the
+#: record's type). Each memo is cleared when full: the values seen once (ids, times) fill it, the repeated ones
+#: come right back.
+_ENTRIES: dict[bytes, dict[tuple[Any, ...], bytes]] = {}
 _MAX_ENTRIES = 4096
+#: Lists of strings up to this long are remembered whole (an event's resources).
+_MAX_MEMO_LIST = 8
 
 
 def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
@@ -136,20 +140,66 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
     if memo is None:
         memo = _ENTRIES[tag] = {}
     parts = []
-    for key, value in mapping.items():
-        if type(key) is not str:
-            key = str(key)
-        if type(value) is str:
-            entry = memo.get((key, value))
+    append = parts.append
+    for item in mapping.items():
+        value = item[1]
+        kind = type(value)
+        if kind is str:  # most entries, and most of them seen before: one lookup by the (key, value) item itself
+            entry = memo.get(item)
             if entry is None:
-                entry = _length_delimited(tag, _key(key) + _length_delimited(b"\x12", _string(b"\x0a", value)))
-                if len(memo) >= _MAX_ENTRIES:
-                    memo.clear()
-                memo[(key, value)] = entry
-            parts.append(entry)
+                entry = _remember(memo, item, tag, item[0], value)
+        elif kind is dict:
+            entry = _nested(tag, item[0], value)
+        elif kind is int or kind is bool:
+            memo_key = (item[0], value, kind)
+            entry = memo.get(memo_key)
+            if entry is None:
+                entry = _remember(memo, memo_key, tag, item[0], value)
+        elif kind is list and len(value) <= _MAX_MEMO_LIST and all(type(element) is str for element in value):
+            memo_key = (item[0], tuple(value), kind)
+            entry = memo.get(memo_key)
+            if entry is None:
+                entry = _remember(memo, memo_key, tag, item[0], value)
         else:
-            parts.append(_length_delimited(tag, _key(key) + _length_delimited(b"\x12", any_value(value))))
+            entry = _entry(tag, item[0], value)
+        append(entry)
     return b"".join(parts)
+
+
+def _entry(tag: bytes, key: Any, value: Any) -> bytes:
+    """A KeyValue as field `tag` of its container, encoded afresh."""
+    key_field = _key(key if type(key) is str else str(key))
+    if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
+        text = value.encode()
+        size = len(text)
+        pair_size = len(key_field) + size + 4
+        if pair_size < 128:
+            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+    pair = key_field + _length_delimited(b"\x12", any_value(value))
+    return _length_delimited(tag, pair)
+
+
+def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag: bytes, key: Any,
+              value: Any) -> bytes:
+    """`_entry`, kept in `memo` under `memo_key` when its key is a string (True == 1: other keys could collide)."""
+    entry = _entry(tag, key, value)
+    if type(key) is str:
+        if len(memo) >= _MAX_ENTRIES:
+            memo.clear()
+        memo[memo_key] = entry
+    return entry
+
+
+def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
+    """A KeyValue whose value is a kvlist (a nested object; never remembered whole)."""
+    inner = _entries(b"\x0a", value)
+    size = len(inner)
+    any_value = b"\x32" + (_SMALL[size] if size < 128 else _varint(size)) + inner
+    size = len(any_value)
+    pair = _key(key if type(key) is str else str(key)) + b"\x12" + (_SMALL[size] if size < 128 else _varint(size)) \
+        + any_value
+    size = len(pair)
+    return tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
