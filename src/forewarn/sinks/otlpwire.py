@@ -139,7 +139,7 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
     memo = _ENTRIES.get(tag)
     if memo is None:
         memo = _ENTRIES[tag] = {}
-    parts = []
+    parts: list[bytes] = []
     append = parts.append
     for item in mapping.items():
         value = item[1]
