@@ -190,8 +190,23 @@ def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag
     return entry
 
 
+#: Per (container tag, key), whether that key's object held only strings when last seen (a record's VM does):
+#: such an object is remembered whole, by its items.
+_FLAT: dict[tuple[bytes, str], bool] = {}
+
+
 def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
-    """A KeyValue whose value is a kvlist (a nested object; never remembered whole)."""
+    """A KeyValue whose value is a kvlist (a nested object)."""
+    memo = _ENTRIES[tag]
+    whole: tuple[Any, ...] | None = None
+    if type(key) is str and _FLAT.get((tag, key)):
+        whole = (key, tuple(value.items()), dict)
+        try:
+            entry = memo.get(whole)
+        except TypeError:  # a value that cannot be a dict key (a list): not flat this time
+            entry = whole = None
+        if entry is not None:
+            return entry
     inner = _entries(b"\x0a", value)
     size = len(inner)
     any_value = b"\x32" + (_SMALL[size] if size < 128 else _varint(size)) + inner
@@ -199,7 +214,17 @@ def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
     pair = _key(key if type(key) is str else str(key)) + b"\x12" + (_SMALL[size] if size < 128 else _varint(size)) \
         + any_value
     size = len(pair)
-    return tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
+    entry = tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
+    if type(key) is str:
+        # only objects of string keys and string values are remembered: no other value can equal theirs (True == 1)
+        flat = len(value) <= _MAX_MEMO_LIST and all(type(k) is str and type(v) is str for k, v in value.items())
+        if len(_FLAT) < _MAX_KEYS or (tag, key) in _FLAT:
+            _FLAT[(tag, key)] = flat
+        if flat:
+            if len(memo) >= _MAX_ENTRIES:
+                memo.clear()
+            memo[whole or (key, tuple(value.items()), dict)] = entry
+    return entry
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
