@@ -180,8 +180,13 @@ class OtlpSink:
     def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
         """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
         by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
+        ordered: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}  # sorted once per VM
         for record in records:
-            by_vm.setdefault(tuple(sorted(record.data.get("vm", {}).items())), []).append(record)
+            items = tuple(record.data.get("vm", {}).items())
+            vm = ordered.get(items)
+            if vm is None:
+                vm = ordered[items] = tuple(sorted(items))
+            by_vm.setdefault(vm, []).append(record)
         groups: dict[Resource, list[Record]] = {}
         for vm, group in by_vm.items():
             groups.setdefault(resource_for(dict(vm)), []).extend(group)
