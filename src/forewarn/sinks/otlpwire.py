@@ -34,6 +34,8 @@ _SMALL = [bytes((n,)) for n in range(128)]
 def _varint(value: int) -> bytes:
     if value < 128:
         return _SMALL[value]
+    if value < 16384:  # the length of a nested object or of a log record
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
