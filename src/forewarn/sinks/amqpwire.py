@@ -11,7 +11,8 @@ for hostile values too.
 azure-eventhub has no public seam for an event encoded beforehand, so `add_encoded` reaches into the batch's
 private state (`_message.data`, `_size`, `_count`), as the SDK's own transport does. `matches_sdk` checks at
 start that both ways still agree on the installed azure-eventhub (a sink that finds they do not keeps `add`),
-and tests/test_amqp_wire.py fails loudly when a new version parts them.
+and tests/test_amqp_wire.py fails loudly when a new version parts them. (Written against azure-eventhub 5.15.1;
+pyproject.toml asks for >= 5.11, hence the check at start rather than trust.)
 """
 
 from __future__ import annotations
