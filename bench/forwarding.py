@@ -225,13 +225,16 @@ def batches(texts: Sequence[str], size: int) -> list[Sequence[str]]:
 def bare_client(name: str, target: str, texts: list[str], size: int) -> None:
     records = JsonRecords(texts)
     if name.startswith("otlp"):
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
         from forewarn.sinks.otlp import _SCOPE, _log_fields, resource_for
         from forewarn.sinks.otlpwire import encode_request
 
         resource = resource_for(dict(records[0].data["vm"]))
-        requests_ = [encode_request([(resource, [_log_fields(records[i]) for i in range(start, start + len(part))])],
-                                    _SCOPE) for start, part in zip(range(0, len(texts), size), batches(texts, size),
-                                                                    strict=True)]
+        # the request objects a client of the generated stub sends (the collector sends the same bytes as bytes)
+        requests_ = [ExportLogsServiceRequest.FromString(encode_request(
+            [(resource, [_log_fields(records[i]) for i in range(start, start + len(part))])], _SCOPE))
+            for start, part in zip(range(0, len(texts), size), batches(texts, size), strict=True)]
         if name == "otlp-grpc":
             import grpc
             from opentelemetry.proto.collector.logs.v1.logs_service_pb2_grpc import LogsServiceStub

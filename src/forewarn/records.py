@@ -7,6 +7,7 @@ twice (after a restart or a retry) carries the same id and consumers can drop th
 from __future__ import annotations
 
 import json
+import json.scanner
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,19 @@ NODE_ACTION = "node_action"
 DRAIN = "drain"
 CONTENT_TYPE = "application/json"
 SPEC_VERSION = "1.0"
+
+#: json.loads without its wrapper, which looks for whitespace around the value with two regular expressions:
+#: 20% of parsing a record read back from the outbox. Anything but one bare JSON value goes to json.loads.
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+
+
+def _loads(text: str) -> Any:
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        return json.loads(text)  # raises its JSONDecodeError
+    return value if end == len(text) else json.loads(text)
+
 
 _ID_NAMESPACE = uuid.UUID("5a4d5bd4-3f0e-4c55-9a3c-0f0e7a7f2f8e")
 
@@ -79,7 +93,7 @@ class Record:
     @classmethod
     def from_json(cls, text: str) -> Record:
         """The record `to_json` wrote as `text`, keeping the text for the next `to_json`."""
-        value = json.loads(text)
+        value = _loads(text)
         return cls(id=value["id"], source=value["source"], type=value["type"], subject=value["subject"],
                    time=value["time"], data=value["data"], stored_json=text)
 

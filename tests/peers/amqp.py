@@ -160,7 +160,7 @@ class _Connection:
         self.send(channel, P.AttachFrame(
             name=name, handle=handle, role=not client_is_receiver, send_settle_mode=f[3], rcv_settle_mode=f[4],
             source=Source(address=source or None), target=Target(address=target or None), unsettled=None,
-            incomplete_unsettled=None, initial_delivery_count=0, max_message_size=1024 * 1024,
+            incomplete_unsettled=None, initial_delivery_count=0, max_message_size=self.peer.max_message_size,
             offered_capabilities=None, desired_capabilities=None, properties=None))
         if not client_is_receiver:
             self.send(channel, P.FlowFrame(next_incoming_id=0, incoming_window=65536, next_outgoing_id=0,
@@ -228,8 +228,10 @@ class _Connection:
 class AmqpPeer:
     """The peer on loopback; `connection_string` is what forewarn is given."""
 
-    def __init__(self, hub: str = "scheduled-events", port: int | None = None) -> None:
+    def __init__(self, hub: str = "scheduled-events", port: int | None = None,
+                 max_message_size: int = 1024 * 1024) -> None:
         self.hub = hub
+        self.max_message_size = max_message_size  # what each link offers: the producer's batch size limit
         self.port = port or free_port()
         self.received = Received()
         self.server = socket.socket()

@@ -29,6 +29,11 @@ BATCH_SIZE = 500
 #: While a backlog drains, how often its size is read again for the gauge (a count reads every waiting
 #: row, so counting after every batch would cost more than the batches once the backlog is large).
 BACKLOG_REFRESH_SECONDS = 1.0
+#: ... and at most this share of the time: counting 100,000 waiting records takes 34 ms, 3% of a core once a
+#: second, while the drain needs every bit of it.
+BACKLOG_REFRESH_SHARE = 0.01
+#: ... but never less often than this.
+BACKLOG_REFRESH_MAX_SECONDS = 10.0
 
 
 class DeliveryObserver:
@@ -67,7 +72,7 @@ class DeliveryWorker:
         self._backoff = backoff or Backoff(base=0.5, cap=30.0)
         self._idle_refresh = idle_refresh
         self._failures = StateLog(log, f"sink {sink.name}")
-        self._backlog_read = float("-inf")
+        self._backlog_next = float("-inf")
         self._thread = threading.Thread(target=self._run, name=f"deliver-{sink.name}", daemon=True)
 
     def start(self) -> None:
@@ -88,14 +93,18 @@ class DeliveryWorker:
 
     def _publish_backlog(self, now: bool = True) -> None:
         """Report what waits for the sink: at once, or (`now` False, between the batches of a drain) when
-        the last report is older than BACKLOG_REFRESH_SECONDS."""
-        if not now and time.monotonic() - self._backlog_read < BACKLOG_REFRESH_SECONDS:
+        the last report is older than BACKLOG_REFRESH_SECONDS and than 1 / BACKLOG_REFRESH_SHARE times what the
+        last count took, up to BACKLOG_REFRESH_MAX_SECONDS)."""
+        started = time.monotonic()
+        if not now and started < self._backlog_next:
             return
-        self._backlog_read = time.monotonic()
         try:
             self._observer.backlog(self.sink.name, self._outbox.backlog(self.sink.name))
         except Exception as exc:  # a metrics refresh must never stop delivery
             log.debug("cannot read backlog of %s: %s", self.sink.name, exc)
+        took = time.monotonic() - started
+        self._backlog_next = started + min(max(BACKLOG_REFRESH_SECONDS, took / BACKLOG_REFRESH_SHARE),
+                                           BACKLOG_REFRESH_MAX_SECONDS)
 
     def _idle(self) -> None:
         """Nothing to send for a while: let a sink that holds costly connections release them."""

@@ -21,6 +21,7 @@ through any configured proxy.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -121,21 +122,25 @@ def _attributes(record: Record) -> dict[str, Any]:
     return attributes
 
 
+@functools.lru_cache(maxsize=256)  # the records of one poll share their time
 def _nanos(rfc3339: str) -> int:
     from datetime import datetime
 
     return int(datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp() * 1e9)
 
 
+_WARN, _INFO = SeverityNumber.WARN.value, SeverityNumber.INFO.value
+
+
 def _log_fields(record: Record) -> LogFields:
     """What one log record carries: timestamps, severity, event name, body (the whole CloudEvent) and
     attributes."""
-    started = record.data["event"].get("EventStatus") == "Started"
-    warn = started or record.data["change"] in ("removed", "approved")
-    severity = SeverityNumber.WARN if warn else SeverityNumber.INFO
+    data = record.data
+    change = data["change"]
+    warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")
     nanos = _nanos(record.time)
-    return (nanos, nanos, severity.value, "WARN" if warn else "INFO",
-            f"azure.scheduled_event.{record.data['change']}", record.to_dict(), _attributes(record))
+    return (nanos, nanos, _WARN if warn else _INFO, "WARN" if warn else "INFO", f"azure.scheduled_event.{change}",
+            record.to_dict(), _attributes(record))
 
 
 def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
@@ -175,8 +180,13 @@ class OtlpSink:
     def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
         """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
         by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
+        ordered: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}  # sorted once per VM
         for record in records:
-            by_vm.setdefault(tuple(sorted(record.data.get("vm", {}).items())), []).append(record)
+            items = tuple(record.data.get("vm", {}).items())
+            vm = ordered.get(items)
+            if vm is None:
+                vm = ordered[items] = tuple(sorted(items))
+            by_vm.setdefault(vm, []).append(record)
         groups: dict[Resource, list[Record]] = {}
         for vm, group in by_vm.items():
             groups.setdefault(resource_for(dict(vm)), []).extend(group)

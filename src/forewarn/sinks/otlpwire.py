@@ -2,11 +2,13 @@
 
 The SDK's encoder builds one protobuf object per value of every log record's body (about 45 for a
 record, each through `isinstance` checks against the collection ABCs): a cProfile of a backlog drain
-put 80% of the OTLP sink's time there. Here the body and the attributes are written as protobuf wire
-bytes by a few lines of code (the AnyValue/KeyValue messages of opentelemetry-proto's common.proto),
-and the whole request is parsed once by protobuf's C implementation. The result is the request the SDK
-would send for the same log records, byte for byte (tests/test_otlp_wire.py compares the two); the
-SDK's gRPC exporter still sends it, with its endpoint, headers, TLS, compression, retries and timeout.
+put 80% of the OTLP sink's time there. Here the whole request is written as protobuf wire bytes by a few
+lines of code (the messages of opentelemetry-proto's logs.proto and common.proto). A backlog's records
+repeat most of their keys and values (the VM, the event's type and status, its resources, the record's
+type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos).
+The result is the request the SDK would send for the same log records, byte for byte
+(tests/test_otlp_wire.py compares the two); the SDK's gRPC exporter still sends it, with its endpoint,
+headers, TLS, compression, retries and timeout, as bytes (`SerializedLogsStub`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest, ExportLogsServiceResponse
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -32,6 +34,8 @@ _SMALL = [bytes((n,)) for n in range(128)]
 def _varint(value: int) -> bytes:
     if value < 128:
         return _SMALL[value]
+    if value < 16384:  # the length of a nested object or of a log record
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -56,32 +60,44 @@ def any_value(value: Any) -> bytes:
     if kind is str:
         return _string(b"\x0a", value)
     if kind is dict:
-        return _kvlist(value)
+        return _length_delimited(b"\x32", _entries(b"\x0a", value))
     if kind is list:
         return _array(value)
+    if kind is int:
+        return _int(value)
     if value is None:
         return b""
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
-        if not -_INT64 <= value < _INT64:
-            raise ValueError(f"integer {value} does not fit OTLP's int64")
-        return b"\x18" + _varint(int(value) & 0xFFFF_FFFF_FFFF_FFFF)
+        return _int(int(value))
     if isinstance(value, float):
         return b"\x21" + struct.pack("<d", value)
     if isinstance(value, str):
-        return _string(b"\x0a", value)
+        return _string(b"\x0a", str(value))
     if isinstance(value, bytes):
         return _length_delimited(b"\x3a", value)
     if isinstance(value, Mapping):
-        return _kvlist(value)
+        return _length_delimited(b"\x32", _entries(b"\x0a", value))
     if isinstance(value, Sequence):
         return _array(value)
     raise ValueError(f"cannot encode a {kind.__name__} as an OTLP AnyValue")
 
 
-def _kvlist(value: Mapping[Any, Any]) -> bytes:
-    return _length_delimited(b"\x32", b"".join([_entry(b"\x0a", str(k), v) for k, v in value.items()]))
+#: Integers already encoded as AnyValues (a record's counts, durations and incarnations mostly repeat).
+_INTS: dict[int, bytes] = {}
+
+
+def _int(value: int) -> bytes:
+    encoded = _INTS.get(value)
+    if encoded is None:
+        if not -_INT64 <= value < _INT64:
+            raise ValueError(f"integer {value} does not fit OTLP's int64")
+        encoded = b"\x18" + _varint(value & 0xFFFF_FFFF_FFFF_FFFF)
+        if len(_INTS) >= _MAX_ENTRIES:
+            _INTS.clear()
+        _INTS[value] = encoded
+    return encoded
 
 
 def _array(value: Sequence[Any]) -> bytes:
@@ -90,35 +106,144 @@ def _array(value: Sequence[Any]) -> bytes:
 
 def key_value(key: str, value: Any) -> bytes:
     """The KeyValue message (key 1, value 2); proto3 leaves an empty key out, as the SDK does."""
-    return (_string(b"\x0a", key) if key else b"") + _length_delimited(b"\x12", any_value(value))
+    return _key(key) + _length_delimited(b"\x12", any_value(value))
 
 
-#: Entries with a string value already encoded, by (tag, key, value): a record's strings mostly repeat
-#: from one record to the next (its VM, the event's type, resources, description, the record's type).
-_ENTRIES: dict[tuple[bytes, str, str], bytes] = {}
+#: Keys already encoded as a KeyValue's key field: a record's keys are the same few dozen every time.
+_KEYS: dict[str, bytes] = {}
+_MAX_KEYS = 1024
+
+
+def _key(key: str) -> bytes:
+    encoded = _KEYS.get(key)
+    if encoded is None:
+        encoded = _string(b"\x0a", key) if key else b""
+        if len(_KEYS) < _MAX_KEYS:
+            _KEYS[key] = encoded
+    return encoded
+
+
+#: Per container tag, entries already encoded: by (key, value) for a string value, by (key, value, type) for an
+#: int or a bool (True == 1), by (key, tuple, list) for a list of strings. A backlog's records mostly repeat
+#: these from one record to the next (the VM, the event's type and status, its resources and description, the
+#: record's type). Each memo is cleared when full: the values seen once (ids, times) fill it, the repeated ones
+#: come right back.
+_ENTRIES: dict[bytes, dict[tuple[Any, ...], bytes]] = {}
 _MAX_ENTRIES = 4096
+#: Lists of strings up to this long are remembered whole (an event's resources).
+_MAX_MEMO_LIST = 8
 
 
-def _entry(tag: bytes, key: str, value: Any) -> bytes:
-    """A KeyValue as a field of its container (`tag`: a kvlist's values, or a log record's attributes)."""
-    if type(value) is not str:
-        return _length_delimited(tag, key_value(key, value))
-    entry = _ENTRIES.get((tag, key, value))
-    if entry is None:
-        # The most common entry, written out: KeyValue{key, value: AnyValue{string_value}}.
-        key_bytes, text = key.encode(), value.encode()
-        string = b"\x0a" + _varint(len(text)) + text
-        pair = (b"\x0a" + _varint(len(key_bytes)) + key_bytes if key_bytes else b"") + b"\x12" + \
-            _varint(len(string)) + string
-        entry = tag + _varint(len(pair)) + pair
-        if len(_ENTRIES) >= _MAX_ENTRIES:
-            _ENTRIES.clear()
-        _ENTRIES[(tag, key, value)] = entry
+def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
+    """The KeyValues of `mapping`, each as field `tag` of its container (a kvlist's values, a log record's,
+    a resource's or a scope's attributes). Keys that are not strings are written as `str(key)`, as the SDK
+    writes a kvlist's."""
+    memo = _ENTRIES.get(tag)
+    if memo is None:
+        memo = _ENTRIES[tag] = {}
+    parts: list[bytes] = []
+    append = parts.append
+    for item in mapping.items():
+        value = item[1]
+        kind = type(value)
+        if kind is str:  # most entries, and most of them seen before: one lookup by the (key, value) item itself
+            entry = memo.get(item)
+            if entry is None:
+                entry = _remember(memo, item, tag, item[0], value)
+        elif kind is dict:
+            entry = _nested(tag, item[0], value)
+        elif kind is int or kind is bool:
+            memo_key = (item[0], value, kind)
+            entry = memo.get(memo_key)
+            if entry is None:
+                entry = _remember(memo, memo_key, tag, item[0], value)
+        elif kind is list and len(value) <= _MAX_MEMO_LIST and all(type(element) is str for element in value):
+            memo_key = (item[0], tuple(value), kind)
+            entry = memo.get(memo_key)
+            if entry is None:
+                entry = _remember(memo, memo_key, tag, item[0], value)
+        else:
+            entry = _entry(tag, item[0], value)
+        append(entry)
+    return b"".join(parts)
+
+
+def _entry(tag: bytes, key: Any, value: Any) -> bytes:
+    """A KeyValue as field `tag` of its container, encoded afresh."""
+    key_field = _key(key if type(key) is str else str(key))
+    if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
+        text = value.encode()
+        size = len(text)
+        pair_size = len(key_field) + size + 4
+        if pair_size < 128:
+            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+    pair = key_field + _length_delimited(b"\x12", any_value(value))
+    return _length_delimited(tag, pair)
+
+
+def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag: bytes, key: Any,
+              value: Any) -> bytes:
+    """`_entry`, kept in `memo` under `memo_key` when its key is a string (True == 1: other keys could collide)."""
+    entry = _entry(tag, key, value)
+    if type(key) is str:
+        if len(memo) >= _MAX_ENTRIES:
+            memo.clear()
+        memo[memo_key] = entry
+    return entry
+
+
+#: Per (container tag, key), whether that key's object held only strings when last seen (a record's VM does):
+#: such an object is remembered whole, by its items.
+_FLAT: dict[tuple[bytes, str], bool] = {}
+
+
+def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
+    """A KeyValue whose value is a kvlist (a nested object)."""
+    memo = _ENTRIES[tag]
+    whole: tuple[Any, ...] | None = None
+    if type(key) is str and _FLAT.get((tag, key)):
+        whole = (key, tuple(value.items()), dict)
+        try:
+            entry = memo.get(whole)
+        except TypeError:  # a value that cannot be a dict key (a list): not flat this time
+            entry = whole = None
+        if entry is not None:
+            return entry
+    inner = _entries(b"\x0a", value)
+    size = len(inner)
+    any_value = b"\x32" + (_SMALL[size] if size < 128 else _varint(size)) + inner
+    size = len(any_value)
+    pair = _key(key if type(key) is str else str(key)) + b"\x12" + (_SMALL[size] if size < 128 else _varint(size)) \
+        + any_value
+    size = len(pair)
+    entry = tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
+    if type(key) is str:
+        # only objects of string keys and string values are remembered: no other value can equal theirs (True == 1)
+        flat = len(value) <= _MAX_MEMO_LIST and all(type(k) is str and type(v) is str for k, v in value.items())
+        if len(_FLAT) < _MAX_KEYS or (tag, key) in _FLAT:
+            _FLAT[(tag, key)] = flat
+        if flat:
+            if len(memo) >= _MAX_ENTRIES:
+                memo.clear()
+            memo[whole or (key, tuple(value.items()), dict)] = entry
     return entry
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
-    return b"".join([_entry(tag, key, value) for key, value in (attributes or {}).items()])
+    return _entries(tag, attributes) if attributes else b""
+
+
+#: The strings of a log record that come from a handful (severity texts, event names), already encoded.
+_FIELDS: dict[tuple[bytes, str], bytes] = {}
+
+
+def _field(tag: bytes, text: str) -> bytes:
+    encoded = _FIELDS.get((tag, text))
+    if encoded is None:
+        encoded = _string(tag, text)
+        if len(_FIELDS) < _MAX_KEYS:
+            _FIELDS[(tag, text)] = encoded
+    return encoded
 
 
 def _log_record(fields: LogFields) -> bytes:
@@ -128,11 +253,11 @@ def _log_record(fields: LogFields) -> bytes:
     return b"".join((
         b"\x09" + struct.pack("<Q", timestamp) if timestamp else b"",
         b"\x10" + _varint(severity) if severity else b"",
-        _string(b"\x1a", severity_text) if severity_text else b"",
+        _field(b"\x1a", severity_text) if severity_text else b"",
         _length_delimited(b"\x2a", any_value(body)),
         _attributes(b"\x32", attributes),
         b"\x59" + struct.pack("<Q", observed) if observed else b"",
-        _string(b"\x62", event_name) if event_name else b"",
+        _field(b"\x62", event_name) if event_name else b"",
     ))
 
 
@@ -142,27 +267,25 @@ def _scope(scope: InstrumentationScope) -> bytes:
                      _attributes(b"\x1a", scope.attributes)))
 
 
-def encode_request(groups: Iterable[tuple[Resource, Sequence[LogFields]]],
-                   scope: InstrumentationScope) -> ExportLogsServiceRequest:
-    """One ExportLogsServiceRequest: per resource (in the given order) one ResourceLogs with one ScopeLogs
-    holding its log records in order."""
+def encode_request(groups: Iterable[tuple[Resource, Sequence[LogFields]]], scope: InstrumentationScope) -> bytes:
+    """One ExportLogsServiceRequest, serialised: per resource (in the given order) one ResourceLogs with one
+    ScopeLogs holding its log records in order. Fields go in field-number order, as protobuf serialises them,
+    so these are the bytes the SDK's exporter sends for the same log records."""
     resource_logs = []
     for resource, logs in groups:
         scope_logs = b"".join((_length_delimited(b"\x0a", _scope(scope)),
-                               *(_length_delimited(b"\x12", _log_record(log)) for log in logs),
+                               *[_length_delimited(b"\x12", _log_record(log)) for log in logs],
                                _string(b"\x1a", scope.schema_url) if scope.schema_url else b""))
         resource_logs.append(b"".join((_length_delimited(b"\x0a", _attributes(b"\x0a", resource.attributes)),
                                        _length_delimited(b"\x12", scope_logs),
                                        _string(b"\x1a", resource.schema_url) if resource.schema_url else b"")))
-    request = ExportLogsServiceRequest()
-    request.ParseFromString(b"".join(_length_delimited(b"\x0a", r) for r in resource_logs))
-    return request
+    return b"".join([_length_delimited(b"\x0a", r) for r in resource_logs])
 
 
 class EncodedLogs:
-    """A request encoded beforehand and the number of log records in it, as the exporter is given it."""
+    """A request serialised beforehand and the number of log records in it, as the exporter is given it."""
 
-    def __init__(self, request: ExportLogsServiceRequest, count: int) -> None:
+    def __init__(self, request: bytes, count: int) -> None:
         self.request = request
         self.count = count
 
@@ -170,15 +293,42 @@ class EncodedLogs:
         return self.count
 
 
+_EXPORT = "/opentelemetry.proto.collector.logs.v1.LogsService/Export"
+
+
+class SerializedLogsStub:
+    """LogsService's client for a request serialised beforehand: gRPC sends the bytes as they are (no parse into
+    a protobuf object and serialisation back, 17 µs a record). Otherwise what the generated LogsServiceStub is."""
+
+    def __init__(self, channel: Any) -> None:
+        self.Export = channel.unary_unary(_EXPORT, request_serializer=None,
+                                          response_deserializer=ExportLogsServiceResponse.FromString,
+                                          _registered_method=True)
+
+
 def grpc_exporter(endpoint: str | None) -> Any:
     """The SDK's gRPC log exporter, to be given `EncodedLogs` instead of SDK log records: its
     `_translate_data`, the step that turns what `export` is given into the request, hands the request
-    over as it is. (Defined here, not at import, so that OTLP over HTTP never loads gRPC.)"""
+    over as it is. (Defined here, not at import, so that OTLP over HTTP never loads gRPC.)
+
+    The exporter's client is a `SerializedLogsStub`, through the exporter's private `_stub` and `_client`
+    (it makes a new client from `_stub` whenever it reopens its channel). Should a new SDK no longer use
+    them, the request is parsed into the protobuf object its client expects: slower, never wrong;
+    tests/test_otlp_wire.py fails loudly then."""
     from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
 
     class PrebuiltGrpcExporter(OTLPLogExporter):
-        def _translate_data(self, data: Any) -> ExportLogsServiceRequest:
-            return data.request if isinstance(data, EncodedLogs) else super()._translate_data(data)
+        def __init__(self, endpoint: str | None) -> None:
+            super().__init__(endpoint=endpoint)
+            self._stub = SerializedLogsStub
+            self._client = self._stub(self._channel)
+
+        def _translate_data(self, data: Any) -> Any:
+            if not isinstance(data, EncodedLogs):
+                return super()._translate_data(data)
+            if isinstance(self._client, SerializedLogsStub):
+                return data.request
+            return ExportLogsServiceRequest.FromString(data.request)
 
         def _count_data(self, data: Any) -> int:
             return len(data)
