@@ -120,3 +120,40 @@ def test_replies_that_differ_only_in_their_date_are_read_alike_and_any_other_hea
     finally:
         client.close()
     assert retry_afters == [1, 1, 7, 3]
+
+
+class KeptSplit(Behaviour):
+    """The reply in two writes a moment apart, the connection kept: the client's first read has only part."""
+
+    def __init__(self, data: bytes, at: int) -> None:
+        self.data, self.at = data, at
+
+    def answer(self, conn: socket.socket, stop: threading.Event) -> bool:
+        conn.sendall(self.data[:self.at])
+        stop.wait(0.05)
+        conn.sendall(self.data[self.at:])
+        return True
+
+
+def test_a_reply_is_taken_as_the_last_one_only_when_every_byte_but_the_date_is_the_same(peer: HostileImds) -> None:
+    client = ImdsClient(peer.url, limiter=RateLimiter(limit=1000))
+    client._enabled = True  # the kept-alive poll connection from the first poll on
+
+    def reply(incarnation: int, date: str) -> bytes:
+        body = json.dumps(document(incarnation, event("E1"))).encode()
+        return b"HTTP/1.1 200 OK\r\nDate: %s\r\nContent-Length: %d\r\n\r\n%s" % (date.encode(), len(body), body)
+
+    try:
+        seen = []
+        for behaviour in [KeptRaw(reply(7, "Tue, 24 Nov 2026 10:00:00 GMT")),   # read, and remembered
+                          KeptRaw(reply(7, "Tue, 24 Nov 2026 10:00:01 GMT")),   # the same but for the date
+                          KeptRaw(reply(8, "Tue, 24 Nov 2026 10:00:02 GMT")),   # a new document, same length
+                          KeptSplit(reply(9, "Tue, 24 Nov 2026 10:00:03 GMT"), 30),  # in two parts: read whole
+                          KeptSplit(reply(9, "Tue, 24 Nov 2026 10:00:04 GMT"), 200),
+                          KeptRaw(reply(9, "Tue, 24 Nov 2026 10:00:05 GMT")),
+                          KeptRaw(reply(7, "Tue, 24 Nov 2026 10:00:06 GMT"))]:
+            peer.behaviour = behaviour
+            seen.append(client.get_scheduled_events().incarnation)
+    finally:
+        client.close()
+    assert seen == [7, 7, 8, 9, 9, 9, 7]

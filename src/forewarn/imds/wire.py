@@ -62,9 +62,7 @@ class Wire:
     def __init__(self, connection: Connection) -> None:
         self._conn = connection
         self._buffer = bytearray()
-        # The last head read, without its Date line, and what it said: a steady poll's replies differ in
-        # nothing else, so each is parsed once.
-        self._last_head: tuple[bytes, tuple[int, bool, dict[bytes, bytes]]] | None = None
+        self._fills = 0  # reads of the socket so far (PreparedGet tells a reply that came in one read by it)
 
     def close(self) -> None:
         self._conn.close()
@@ -93,6 +91,7 @@ class Wire:
 
     # --- reading -------------------------------------------------------------------------------
     def _fill(self) -> None:
+        self._fills += 1
         data = self._conn.sock.recv(READ_SIZE)  # type: ignore[union-attr]  # connected by `send`
         if not data:
             raise ProtocolError("the connection closed before the reply was complete")
@@ -126,16 +125,7 @@ class Wire:
             raise ProtocolError(f"reply headers longer than {MAX_HEAD_BYTES} bytes")
         head = bytes(self._buffer[:end])
         del self._buffer[:end + 4]
-        key = head
-        date = head.find(b"\r\nDate: ")
-        if date >= 0:  # the one header that changes every second: what it says is never read
-            after = head.find(b"\r\n", date + 2)
-            key = head[:date] + (head[after:] if after >= 0 else b"")
-        if self._last_head is not None and self._last_head[0] == key:
-            return self._last_head[1]
-        parsed = self._parse_head(head)
-        self._last_head = (key, parsed)
-        return parsed
+        return self._parse_head(head)
 
     @staticmethod
     def _parse_head(head: bytes) -> tuple[int, bool, dict[bytes, bytes]]:
@@ -220,10 +210,58 @@ class PreparedGet(Wire):
     def __init__(self, connection: Connection, target: str, headers: dict[str, str]) -> None:
         super().__init__(connection)
         self._request = request_bytes(connection, "GET", target, headers)
+        #: The last reply that came whole in one read and left the connection open, without its Date line,
+        #: and what it said: nearly every poll's reply is this one again.
+        self._same: tuple[bytes, Reply] | None = None
 
     def exchange(self, deadline: Deadline, limit: int) -> Reply:
-        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes."""
-        return self.send(self._request, deadline, limit)
+        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes.
+
+        On a kept-alive connection the reply's first read is compared with the last reply that came whole
+        (but for its Date line): the same bytes are the same reply, taken without reading them again.
+        Anything else is read the long way, from those bytes on, under the same deadline and limits."""
+        conn = self._conn
+        conn.deadline = deadline
+        if conn.stale():
+            conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
+        sock = conn.sock
+        if sock is None or self._buffer:
+            return self.send(self._request, deadline, limit)
+        try:
+            sock.sendall(self._request)
+            data = sock.recv(READ_SIZE)
+            if not data:
+                raise ProtocolError("the connection closed before the reply was complete")
+            key = _without_date(data)
+            same = self._same
+            if same is not None and same[0] == key:
+                return same[1]
+            self._buffer += data
+            fills = self._fills
+            reply, keep = self._read_reply(limit)
+        except BaseException:
+            self.close()
+            raise
+        if not keep or self._buffer:
+            self.close()  # the server is done with it, or sent more than one reply: start afresh next time
+        else:
+            # Remembered only when it came in that one read: then its bytes are all of it.
+            self._same = (key, reply) if self._fills == fills and len(key) <= MAX_REMEMBERED else None
+        return reply
+
+
+#: The longest reply remembered for the comparison (a steady document is a few hundred bytes; the cap keeps
+#: a large one from being held twice).
+MAX_REMEMBERED = 65536
+
+
+def _without_date(data: bytes) -> bytes:
+    """A reply without its Date header line (the one header that changes every second), up to its end."""
+    date = data.find(b"\r\nDate: ")
+    if date < 0:
+        return data
+    after = data.find(b"\r\n", date + 2)
+    return data[:date] + (data[after:] if after >= 0 else b"")
 
 
 def _host_header(connection: Connection) -> str:
