@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from forewarn.deadline import Connection, Deadline
+from forewarn.deadline import Connection, Deadline, DeadlineSocket
 
 #: The status line and headers together (http.client allows 65,536 bytes per line and 100 headers).
 MAX_HEAD_BYTES = 65536
@@ -81,13 +81,26 @@ class Wire:
                 sock = conn.connect()
                 self._buffer.clear()
             sock.sendall(request)
+            known = self._known_reply(sock)
+            if known is not None:
+                return known
+            fills = self._fills
             reply, keep = self._read_reply(limit)
         except BaseException:
             self.close()
             raise
         if not keep or self._buffer:
             self.close()  # the server is done with it, or sent more than one reply: start afresh next time
+        else:
+            self._kept(reply, in_one_read=self._fills == fills)
         return reply
+
+    def _known_reply(self, sock: DeadlineSocket) -> Reply | None:
+        """A reply told from its first bytes without reading it again (PreparedGet); None: read it."""
+        return None
+
+    def _kept(self, reply: Reply, in_one_read: bool) -> None:
+        """`reply` was read whole and left the connection open; `in_one_read`: `_known_reply`'s read had it all."""
 
     # --- reading -------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -213,41 +226,32 @@ class PreparedGet(Wire):
         #: The last reply that came whole in one read and left the connection open, without its Date line,
         #: and what it said: nearly every poll's reply is this one again.
         self._same: tuple[bytes, Reply] | None = None
+        self._key: bytes | None = None  # this exchange's first read, without its Date line
 
     def exchange(self, deadline: Deadline, limit: int) -> Reply:
-        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes.
+        """Send the GET and read its reply within `deadline`; the body at most `limit` bytes."""
+        return self.send(self._request, deadline, limit)
 
-        On a kept-alive connection the reply's first read is compared with the last reply that came whole
-        (but for its Date line): the same bytes are the same reply, taken without reading them again.
-        Anything else is read the long way, from those bytes on, under the same deadline and limits."""
-        conn = self._conn
-        conn.deadline = deadline
-        if conn.stale():
-            conn.close()  # the server closed the idle connection (or sent stray bytes): start afresh
-        sock = conn.sock
-        if sock is None or self._buffer:
-            return self.send(self._request, deadline, limit)
-        try:
-            sock.sendall(self._request)
-            data = sock.recv(READ_SIZE)
-            if not data:
-                raise ProtocolError("the connection closed before the reply was complete")
-            key = _without_date(data)
-            same = self._same
-            if same is not None and same[0] == key:
-                return same[1]
-            self._buffer += data
-            fills = self._fills
-            reply, keep = self._read_reply(limit)
-        except BaseException:
-            self.close()
-            raise
-        if not keep or self._buffer:
-            self.close()  # the server is done with it, or sent more than one reply: start afresh next time
-        else:
-            # Remembered only when it came in that one read: then its bytes are all of it.
-            self._same = (key, reply) if self._fills == fills and len(key) <= MAX_REMEMBERED else None
-        return reply
+    def _known_reply(self, sock: DeadlineSocket) -> Reply | None:
+        """The reply's first read, compared with the last reply that came whole (but for its Date line): the
+        same bytes are the same reply. Anything else is read the long way, from those bytes on."""
+        self._key = None
+        if self._buffer:
+            return None
+        data = sock.recv(READ_SIZE)
+        if not data:
+            raise ProtocolError("the connection closed before the reply was complete")
+        key = _without_date(data)
+        if self._same is not None and self._same[0] == key:
+            return self._same[1]
+        self._buffer += data
+        self._key = key
+        return None
+
+    def _kept(self, reply: Reply, in_one_read: bool) -> None:
+        # Remembered only when it came in that one read: then its bytes are all of it.
+        key = self._key
+        self._same = (key, reply) if in_one_read and key is not None and len(key) <= MAX_REMEMBERED else None
 
 
 #: The longest reply remembered for the comparison (a steady document is a few hundred bytes; the cap keeps
