@@ -136,13 +136,8 @@ class Wire:
             self._fill()
         if end > MAX_HEAD_BYTES:
             raise ProtocolError(f"reply headers longer than {MAX_HEAD_BYTES} bytes")
-        head = bytes(self._buffer[:end])
+        lines = bytes(self._buffer[:end]).split(b"\r\n")
         del self._buffer[:end + 4]
-        return self._parse_head(head)
-
-    @staticmethod
-    def _parse_head(head: bytes) -> tuple[int, bool, dict[bytes, bytes]]:
-        lines = head.split(b"\r\n")
         version, _, rest = lines[0].partition(b" ")
         code = rest[:3]
         if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit() or rest[3:4] not in (b"", b" "):
