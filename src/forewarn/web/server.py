@@ -264,7 +264,8 @@ class _Exchange:
                 self._refuse(505, f"HTTP version {version[5:][:20]} is not supported")
                 return None
         if not 2 <= len(words) <= 3:
-            self._refuse(400, f"bad request syntax ({line[:80]!r})")
+            # Without the query, which may carry a secret (an Event Grid webhook's ?code=): this goes to the log.
+            self._refuse(400, f"bad request syntax ({line.split('?', 1)[0][:80]!r})")
             return None
         self.command, target = words[:2]
         if len(words) == 2:
