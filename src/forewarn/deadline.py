@@ -237,16 +237,22 @@ class Connection:
         self.connect_timeout = connect_timeout
         self.deadline = deadline or Deadline(connect_timeout)
         self.sock: DeadlineSocket | None = None
+        self._readable: select.poll | None = None
 
     def connect(self) -> DeadlineSocket:
         self.sock = open_socket(self.host, self.port, self, self.context, self.connect_timeout)
+        # Asked before every request (every poll): a poll object registered once answers in one call, where
+        # select.select builds and parses three lists each time (a third of the cost).
+        self._readable = select.poll()
+        self._readable.register(self.sock.sock, select.POLLIN)
         return self.sock
 
     def stale(self) -> bool:
-        sock = self.sock  # as `is_stale`, without the call: every poll asks
-        return sock is not None and bool(select.select([sock.sock], [], [], 0)[0])
+        """As `is_stale`: the server closed the idle connection, or sent stray bytes."""
+        readable = self._readable
+        return readable is not None and bool(readable.poll(0))
 
     def close(self) -> None:
-        sock, self.sock = self.sock, None
+        sock, self.sock, self._readable = self.sock, None, None
         if sock is not None:
             sock.close()

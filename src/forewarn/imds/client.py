@@ -23,7 +23,7 @@ from forewarn.deadline import Connection, Deadline
 from forewarn.imds.document import Document, DocumentError, parse_document
 from forewarn.imds.instance import COMPUTE_API_VERSION, VmInfo, parse_compute
 from forewarn.imds.reply import DEFAULT_MAX_REPLY_BYTES, ReplyError, decode_reply
-from forewarn.imds.wire import PreparedGet, TooLarge, Wire, request_bytes
+from forewarn.imds.wire import PreparedGet, Reply, TooLarge, Wire, request_bytes
 from forewarn.retry import RetryableError, parse_retry_after
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -194,52 +194,42 @@ class ImdsClient:
         settle again instead of queueing on the limiter in bursts."""
         return self.limiter.window / max(1, self.limiter.limit - POLL_RESERVE) + 0.01
 
-    def _exchange(self, what: str, method: str, target: str, body: bytes | None, deadline: Deadline,
-                  poll: bool) -> tuple[int, bytes, str | None]:
-        """One request: the Scheduled Events GET on the kept-alive poll connection, or any other on a
-        connection of its own. Status, body (at most max_reply_bytes) and Retry-After."""
+    def _exchange(self, method: str, target: str, body: bytes | None, deadline: Deadline) -> Reply:
+        """Any request but the poll, on a connection of its own; the body at most max_reply_bytes."""
+        conn = _connection(self.endpoint)
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        wire = Wire(conn)
         try:
-            if poll:
-                with self._poll_lock:
-                    reply = self._poll.exchange(deadline, self.max_reply_bytes)
-            else:
-                conn = _connection(self.endpoint)
-                headers = dict(self._headers)
-                if body is not None:
-                    headers["Content-Type"] = "application/json"
-                wire = Wire(conn)
-                try:
-                    reply = wire.send(request_bytes(conn, method, target, headers, body), deadline,
-                                      self.max_reply_bytes)
-                finally:
-                    wire.close()
-        except TooLarge:
-            raise ReplyTooLarge(what, self.max_reply_bytes) from None
-        return reply.status, reply.body, reply.retry_after
+            return wire.send(request_bytes(conn, method, target, headers, body), deadline, self.max_reply_bytes)
+        finally:
+            wire.close()
 
-    def _call(self, method: str, path: str, params: dict[str, str], timeout: float, body: Any = None,
+    def _call(self, method: str, path: str, params: dict[str, str] | None, timeout: float, body: Any = None,
               reserve: int = 0, parse: Callable[[bytes], T] | None = None, poll: bool = False) -> T | bytes:
         """A request within `timeout` seconds, observed once with its outcome: the HTTP status, `error`
-        (transport or deadline), `too_large`, or `invalid` (a 200 whose body `parse` refused)."""
-        what = f"{method} {path}"
+        (transport or deadline), `too_large`, or `invalid` (a 200 whose body `parse` refused). The poll
+        (`poll`) is the Scheduled Events GET on the kept-alive connection, its bytes prepared."""
         self.limiter.acquire(reserve, self.stop)
         started = time.monotonic()
         code = "error"
         deadline = Deadline(timeout, self.stop, Stopped)
         try:
             if poll:
-                status, data, retry_after = self._exchange(what, method, self._events_target, None, deadline, True)
+                with self._poll_lock:
+                    reply = self._poll.exchange(deadline, self.max_reply_bytes)
             else:
                 payload = json.dumps(body).encode() if body is not None else None
-                status, data, retry_after = self._exchange(what, method, f"{path}?{urlencode(params)}", payload,
-                                                           deadline, False)
+                reply = self._exchange(method, f"{path}?{urlencode(params or {})}", payload, deadline)
+            status = reply.status
             code = str(status)
             if status != 200:
-                raise _status_error(what, status, data, retry_after)
+                raise _status_error(f"{method} {path}", status, reply.body, reply.retry_after)
             if parse is None:
-                return data
+                return reply.body
             try:
-                return parse(data)
+                return parse(reply.body)
             except DocumentError:
                 code = "invalid"
                 raise
@@ -248,14 +238,16 @@ class ImdsClient:
         except Stopped:
             code = "stopped"  # not an outcome of IMDS: not counted
             raise
-        except ImdsError as exc:
-            code = "too_large" if isinstance(exc, ReplyTooLarge) else code
+        except TooLarge:
+            code = "too_large"
+            raise ReplyTooLarge(f"{method} {path}", self.max_reply_bytes) from None
+        except ImdsError:
             raise
         except TimeoutError:
-            raise ImdsError(f"{what}: no complete answer within {timeout:g} s", retryable=True) from None
+            raise ImdsError(f"{method} {path}: no complete answer within {timeout:g} s", retryable=True) from None
         except (OSError, ValueError) as exc:  # ValueError: wire.ProtocolError
             reason = str(exc) or type(exc).__name__
-            raise ImdsError(f"{what}: connection failed ({reason[:200]})", retryable=True) from None
+            raise ImdsError(f"{method} {path}: connection failed ({reason[:200]})", retryable=True) from None
         finally:
             if self._observe is not None and code != "stopped":
                 self._observe(method, code, time.monotonic() - started)
@@ -272,14 +264,14 @@ class ImdsClient:
 
     def get_scheduled_events(self) -> Document:
         """One poll. Raises ImdsError for HTTP or transport failures, DocumentError for a bad body."""
-        params = {"api-version": self.api_version}
         if self._enabled:
-            document = self._call("GET", SCHEDULED_EVENTS_PATH, params, self.timeout, reserve=POLL_RESERVE,
+            document = self._call("GET", SCHEDULED_EVENTS_PATH, None, self.timeout, reserve=POLL_RESERVE,
                                   parse=self._parse_events, poll=True)
         else:
             # Until IMDS has answered once, allow it the two minutes it may need to switch the service on.
-            document = self._call("GET", SCHEDULED_EVENTS_PATH, params, max(self.timeout, self.first_timeout),
-                                  reserve=POLL_RESERVE, parse=self._parse_events)
+            document = self._call("GET", SCHEDULED_EVENTS_PATH, {"api-version": self.api_version},
+                                  max(self.timeout, self.first_timeout), reserve=POLL_RESERVE,
+                                  parse=self._parse_events)
             self._enabled = True
         assert isinstance(document, Document)
         return document
