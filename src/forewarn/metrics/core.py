@@ -107,6 +107,20 @@ def _header(name: str, kind: Kind, documentation: str, openmetrics: bool) -> str
     return f"# HELP {name} {text}\n# TYPE {name} {kind}\n"
 
 
+class Header:
+    """A family's HELP and TYPE lines in both formats, made once, for a collector that writes its samples
+    itself."""
+
+    __slots__ = ("_texts", "name")
+
+    def __init__(self, name: str, documentation: str, kind: Kind = "gauge") -> None:
+        self.name = name
+        self._texts = (_header(name, kind, documentation, False), _header(name, kind, documentation, True))
+
+    def text(self, openmetrics: bool) -> str:
+        return self._texts[openmetrics]
+
+
 class Exposable(Protocol):
     """Anything a Registry renders: a metric, or a family built at scrape time."""
 
@@ -159,7 +173,8 @@ class Family:
         if decimals is None:
             self._lines.extend([f"{series}{number(value)}\n" for series, value in samples])
         else:
-            self._lines.extend([f"{series}{value:.{decimals}f}\n" if math.isfinite(value) else
+            fixed = f"%s%.{decimals}f\n"  # made once: a format spec nested in an f-string is made per sample
+            self._lines.extend([fixed % (series, value) if math.isfinite(value) else
                                 f"{series}{number(value)}\n" for series, value in samples])
         if len(self._lines) >= self._CHUNK:
             self._chunks.append("".join(self._lines))

@@ -17,7 +17,7 @@ from typing import Any
 from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.backlog import Backlog
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES, Document
-from forewarn.metrics.core import EOF, Counter, Family, Gauge, Histogram, Registry, negotiate
+from forewarn.metrics.core import EOF, Counter, Family, Gauge, Header, Histogram, LabelSet, Registry, negotiate, number
 from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.view import ViewHolder
 
@@ -245,58 +245,75 @@ class DocumentFamilies:
 
 
 class LiveFamilies:
-    """The families that depend on the scrape moment or on health, built at every scrape."""
+    """The families that depend on the scrape moment or on health, written at every scrape.
+
+    A scrape writes their text directly: the headers and the series' names are made once (the countdown's
+    once per document), and only the values are formatted then."""
+
+    _COUNTDOWN = Header("azure_scheduled_event_seconds_to_not_before",
+                        "Seconds from now until NotBefore (negative once passed).")
+    _INCARNATION = Header("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
+    _IMDS_UP = Header("azure_scheduled_events_imds_up", "1 if the last IMDS poll succeeded, else 0.")
+    _LAST_SUCCESS = Header("azure_scheduled_events_imds_last_success_timestamp_seconds",
+                           "Unix time of the last successful poll.")
+    _OUTBOX = Header("azure_scheduled_events_outbox_records", "Records waiting for delivery, by sink.")
+    _OLDEST = Header("azure_scheduled_events_outbox_oldest_record_age_seconds",
+                     "Age of the oldest record waiting for the sink (0 when none).")
+    _WRITABLE = Header("azure_scheduled_events_state_writable",
+                       "1 if the state dir accepts writes, 0 while records are held in memory.")
+    _BUILD = Header("azure_scheduled_events_build_info", "forewarn build (1).")
+    _COUNTDOWN_LABELS = LabelSet(["event_id", "event_type"])
+    _SINK_LABEL = LabelSet(["sink"])
 
     def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
         self._views = views
-        self._api_version = api_version
         self._clock = clock
         #: The countdown's series (text up to the value, NotBefore) for the document they were written for:
         #: only the values change from one scrape to the next.
         self._countdown: tuple[Document | None, tuple[tuple[str, float], ...]] = (None, ())
+        self._sinks: dict[str, tuple[str, str]] = {}  # sink -> its series of the two outbox families
+        build = self._BUILD.name + LabelSet(["version", "api_version"]).text([__version__, api_version])
+        self._build_sample = f"{build} {number(1)}\n"
 
-    def collect(self) -> Iterator[Family]:
+    def collect(self) -> Iterator[LiveFamilies]:
+        yield self
+
+    def write(self, out: list[str], openmetrics: bool) -> None:
         view = self._views.view
         now = self._clock()
-        countdown = Family("azure_scheduled_event_seconds_to_not_before",
-                           "Seconds from now until NotBefore (negative once passed).",
-                           labels=["event_id", "event_type"])
         document, series = self._countdown
         if document is not view.document:
-            series = tuple((countdown.series([event.event_id, event.event_type]), event.not_before.timestamp())
+            name = self._COUNTDOWN.name
+            series = tuple((f"{name}{self._COUNTDOWN_LABELS.text([event.event_id, event.event_type])} ",
+                            event.not_before.timestamp())
                            for event in (view.document.events if view.document else ())
                            if event.not_before is not None)
             self._countdown = (view.document, series)
-        # To the millisecond: it is written at every scrape, and more digits would tell nothing.
-        countdown.add_samples(((text, not_before - now) for text, not_before in series), decimals=3)
-        yield countdown
-        incarnation = Family("azure_scheduled_events_document_incarnation", "Last DocumentIncarnation seen.")
+        out.append(self._COUNTDOWN.text(openmetrics))
+        # To the millisecond: it is written at every scrape, and more digits would tell nothing. Always
+        # finite: NotBefore and the clock are both datetimes' timestamps.
+        out.extend([f"{text}{not_before - now:.3f}\n" for text, not_before in series])
+        out.append(self._INCARNATION.text(openmetrics))
         if view.document is not None:
-            incarnation.add([], view.document.incarnation)
-        yield incarnation
-        yield Family("azure_scheduled_events_imds_up", "1 if the last IMDS poll succeeded, else 0.",
-                     value=1 if view.imds_up else 0)
-        last = Family("azure_scheduled_events_imds_last_success_timestamp_seconds",
-                      "Unix time of the last successful poll.")
+            out.append(f"{self._INCARNATION.name} {number(view.document.incarnation)}\n")
+        out.append(self._IMDS_UP.text(openmetrics))
+        out.append(f"{self._IMDS_UP.name} {number(1 if view.imds_up else 0)}\n")
+        out.append(self._LAST_SUCCESS.text(openmetrics))
         if view.last_success is not None:
-            last.add([], view.last_success)
-        yield last
-
-        outbox = Family("azure_scheduled_events_outbox_records", "Records waiting for delivery, by sink.",
-                        labels=["sink"])
-        oldest = Family("azure_scheduled_events_outbox_oldest_record_age_seconds",
-                        "Age of the oldest record waiting for the sink (0 when none).",
-                        labels=["sink"])
+            out.append(f"{self._LAST_SUCCESS.name} {number(view.last_success)}\n")
+        records: list[str] = [self._OUTBOX.text(openmetrics)]
+        ages: list[str] = [self._OLDEST.text(openmetrics)]
         for sink, backlog in sorted(view.backlogs.items()):
-            outbox.add([sink], backlog.records)
+            names = self._sinks.get(sink)
+            if names is None:
+                labels = self._SINK_LABEL.text([sink])
+                names = self._sinks[sink] = (f"{self._OUTBOX.name}{labels} ", f"{self._OLDEST.name}{labels} ")
+            records.append(f"{names[0]}{number(backlog.records)}\n")
             age = now - backlog.oldest_created if backlog.oldest_created is not None else 0.0
-            oldest.add([sink], max(age, 0.0))
-        yield outbox
-        yield oldest
-        yield Family("azure_scheduled_events_state_writable",
-                     "1 if the state dir accepts writes, 0 while records are held in memory.",
-                     value=1 if view.store_writable else 0)
-        build = Family("azure_scheduled_events_build_info", "forewarn build (1).",
-                       labels=["version", "api_version"])
-        build.add([__version__, self._api_version], 1)
-        yield build
+            ages.append(f"{names[1]}{number(max(age, 0.0))}\n")
+        out.extend(records)
+        out.extend(ages)
+        out.append(self._WRITABLE.text(openmetrics))
+        out.append(f"{self._WRITABLE.name} {number(1 if view.store_writable else 0)}\n")
+        out.append(self._BUILD.text(openmetrics))
+        out.append(self._build_sample)
