@@ -313,7 +313,7 @@ class _Metric:
         rarely), and then reuse that text instead of formatting each number again."""
         out.append(self._headers[openmetrics])
         children = list(self._children.values())
-        states = [child.state() for child in children]  # type: ignore[attr-defined]
+        states = self._states(children)
         with self._lock:
             if states == self._last[0]:
                 out.append(self._last[1])
@@ -327,7 +327,19 @@ class _Metric:
         out.append(text)
 
 
-class Counter(_Metric):
+    def _states(self, children: list[object]) -> list[object]:
+        return [child.state() for child in children]  # type: ignore[attr-defined]
+
+
+class _ValueMetric(_Metric):
+    """A counter or gauge: each series is one number, read without a call per series (a scrape reads them
+    all)."""
+
+    def _states(self, children: list[object]) -> list[object]:
+        return [child._value for child in children]  # type: ignore[attr-defined]
+
+
+class Counter(_ValueMetric):
     kind: Kind = "counter"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
@@ -354,7 +366,7 @@ class Counter(_Metric):
         return self._single.value
 
 
-class Gauge(_Metric):
+class Gauge(_ValueMetric):
     kind: Kind = "gauge"
 
     def _new(self, values: tuple[str, ...]) -> GaugeChild:
