@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from forewarn.imds.client import ImdsClient, ImdsError, RateLimiter
+from forewarn.imds.client import ImdsClient, ImdsError, RateLimiter, Stopped
 
 from peers.hostile_imds import Behaviour, HostileImds, Raw, Reply, document, event
 
@@ -157,3 +158,47 @@ def test_a_reply_is_taken_as_the_last_one_only_when_every_byte_but_the_date_is_t
     finally:
         client.close()
     assert seen == [7, 7, 8, 9, 9, 9, 7]
+
+
+class KeptLate(Behaviour):
+    """The reply after `delay` seconds (longer than a read's slice of the deadline), the connection kept."""
+
+    def __init__(self, data: bytes, delay: float) -> None:
+        self.data, self.delay = data, delay
+
+    def answer(self, conn: socket.socket, stop: threading.Event) -> bool:
+        stop.wait(self.delay)
+        conn.sendall(self.data)
+        return True
+
+
+def test_a_late_reply_to_a_poll_on_the_kept_connection_is_waited_for_and_a_stop_ends_the_wait(
+        peer: HostileImds) -> None:
+    """The steady poll (connection kept, last reply remembered) reads straight from the socket; a reply later
+    than one slice of the deadline is still read whole, and a stop during the wait ends it at once."""
+    client = ImdsClient(peer.url, limiter=RateLimiter(limit=1000), timeout=5)
+    client._enabled = True
+    stop = threading.Event()
+    client.stop = stop
+    date = b"Tue, 24 Nov 2026 10:00:00 GMT"
+    same = b"HTTP/1.1 200 OK\r\nDate: %s\r\nContent-Length: %d\r\n\r\n%s" % (date, len(BODY), BODY)
+    try:
+        peer.behaviour = KeptRaw(same)
+        assert [client.get_scheduled_events().incarnation for _ in range(2)] == [7, 7]  # remembered
+        peer.behaviour = KeptLate(same, 0.7)
+        started = time.monotonic()
+        assert client.get_scheduled_events().incarnation == 7
+        assert time.monotonic() - started >= 0.6
+        newer = json.dumps(document(8, event("E1"))).encode()
+        peer.behaviour = KeptLate(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(newer), newer), 0.7)
+        assert client.get_scheduled_events().incarnation == 8
+        assert client.get_scheduled_events().incarnation == 8  # the late reply was remembered in its turn
+        peer.behaviour = KeptLate(same, 30)
+        threading.Timer(0.5, stop.set).start()
+        started = time.monotonic()
+        with pytest.raises(Stopped):
+            client.get_scheduled_events()
+        assert time.monotonic() - started < 1.5
+    finally:
+        stop.set()
+        client.close()
