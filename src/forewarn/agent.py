@@ -122,18 +122,15 @@ def run_agent(settings: Settings) -> int:
 def request_observer(metrics: Metrics) -> RequestObserver:
     """Each IMDS request counted by method and outcome, and timed. A labelled child is looked up once and
     kept: every poll makes a request, and `labels()` takes the family's lock and checks the labels each time."""
-    counters: dict[tuple[str, str], Any] = {}
-    histograms: dict[str, Any] = {}
+    children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (method, code) -> (counter, histogram)
 
     def observe(method: str, code: str, seconds: float) -> None:
-        counter = counters.get((method, code))
-        if counter is None:
-            counter = counters[(method, code)] = metrics.imds_requests.labels(method, code)
-        histogram = histograms.get(method)
-        if histogram is None:
-            histogram = histograms[method] = metrics.imds_duration.labels(method)
-        counter.inc()
-        histogram.observe(seconds)
+        pair = children.get((method, code))
+        if pair is None:
+            pair = children[(method, code)] = (metrics.imds_requests.labels(method, code),
+                                               metrics.imds_duration.labels(method))
+        pair[0].inc()
+        pair[1].observe(seconds)
 
     return observe
 

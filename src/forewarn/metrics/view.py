@@ -36,8 +36,9 @@ class View:
     def succeeded_at(self, now: float) -> View:
         """This view with `last_success` at `now`, everything else the same objects."""
         view = object.__new__(View)
-        view.__dict__.update(self.__dict__)
-        object.__setattr__(view, "last_success", now)
+        fields = view.__dict__
+        fields.update(self.__dict__)
+        fields["last_success"] = now  # frozen: set in the new object's own dict, as dataclasses do
         return view
 
 
