@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from forewarn.httpdate import MONTHS, rfc1123
 from forewarn.imds.reply import ReplyError, capped, check_value, decode_reply
 
 #: Event types, statuses and sources documented for API version 2020-07-01. Other values are passed
@@ -94,8 +95,6 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 _ISO_Z = re.compile(r"Z$", re.IGNORECASE)
-_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 #: NotBefore exactly as IMDS writes it; anything else goes to the email package's lenient parser, which
 #: is imported only then (1 MiB of modules an idle collector has no use for).
 _IMDS_FORM = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
@@ -116,7 +115,7 @@ def parse_not_before(value: str) -> datetime:
     if form is not None and form[3] >= "0100":  # the email parser reads 0001-0099 as 20th/21st century years
         day, month, year, hour, minute, second = form.groups()
         try:
-            return datetime(int(year), _MONTHS.index(month) + 1, int(day), int(hour), int(minute), int(second),
+            return datetime(int(year), MONTHS.index(month) + 1, int(day), int(hour), int(minute), int(second),
                             tzinfo=timezone.utc)
         except ValueError:
             pass  # 31 Feb, hour 24...: the lenient parser below says what is wrong, as for any other form
@@ -149,8 +148,7 @@ def parse_not_before(value: str) -> datetime:
 def format_not_before(moment: datetime) -> str:
     """Format a time the way IMDS writes NotBefore (RFC 1123, GMT)."""
     t = moment.astimezone(timezone.utc)
-    return (f"{_DAYS[t.weekday()]}, {t.day:02d} {_MONTHS[t.month - 1]} {t.year:04d} "
-            f"{t.hour:02d}:{t.minute:02d}:{t.second:02d} GMT")
+    return rfc1123(t.weekday(), t.day, t.month, t.year, t.hour, t.minute, t.second)
 
 
 #: Whole-document limits; see imds/reply.py for what is checked on the raw bytes.

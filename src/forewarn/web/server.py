@@ -38,6 +38,8 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from forewarn.httpdate import rfc1123
+
 if TYPE_CHECKING:
     import ssl
 
@@ -183,8 +185,6 @@ class _Route:
     public: bool = False  # answered without the Gate's authentication (a load balancer's probe)
 
 
-_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 _date_cache: tuple[int, str] = (0, "")
 
 
@@ -196,8 +196,7 @@ def http_date(moment: float | None = None) -> str:
     if cached[0] == second:
         return cached[1]
     t = time.gmtime(second)
-    text = (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year:04d} "
-            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
+    text = rfc1123(t.tm_wday, t.tm_mday, t.tm_mon, t.tm_year, t.tm_hour, t.tm_min, t.tm_sec)
     _date_cache = (second, text)
     return text
 
