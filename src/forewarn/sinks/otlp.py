@@ -34,7 +34,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from forewarn import __version__
-from forewarn.records import Record
+from forewarn.records import Record, cloudevents
 from forewarn.sinks import SinkConfigError, SinkError
 from forewarn.sinks.otlpwire import EncodedLogs, LogFields, encode_request
 
@@ -95,16 +95,17 @@ def resource_for(vm: Mapping[str, str]) -> Resource:
     return Resource.create(attributes)
 
 
-def _attributes(record: Record) -> dict[str, Any]:
-    data = record.data
+def _attributes(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The log record's attributes, from the record's CloudEvent (`Record.to_dict()`)."""
+    data = body["data"]
     event = data.get("event", {})
     attributes: dict[str, Any] = {
-        "cloudevents.event_id": record.id,
-        "cloudevents.event_source": record.source,
-        "cloudevents.event_type": record.type,
-        "cloudevents.event_subject": record.subject,
+        "cloudevents.event_id": body["id"],
+        "cloudevents.event_source": body["source"],
+        "cloudevents.event_type": body["type"],
+        "cloudevents.event_subject": body["subject"],
         "azure.scheduled_event.change": data["change"],
-        "azure.scheduled_event.id": event.get("EventId", record.subject),
+        "azure.scheduled_event.id": event.get("EventId", body["subject"]),
         "azure.scheduled_event.type": event.get("EventType", ""),
         "azure.scheduled_event.status": event.get("EventStatus", ""),
         "azure.scheduled_event.incarnation": data.get("incarnation", 0),
@@ -135,12 +136,17 @@ _WARN, _INFO = SeverityNumber.WARN.value, SeverityNumber.INFO.value
 def _log_fields(record: Record) -> LogFields:
     """What one log record carries: timestamps, severity, event name, body (the whole CloudEvent) and
     attributes."""
-    data = record.data
+    return _fields(record.to_dict())
+
+
+def _fields(body: dict[str, Any]) -> LogFields:
+    """`_log_fields` of the record whose `to_dict()` is `body`."""
+    data = body["data"]
     change = data["change"]
     warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")
-    nanos = _nanos(record.time)
+    nanos = _nanos(body["time"])
     return (nanos, nanos, _WARN if warn else _INFO, "WARN" if warn else "INFO", f"azure.scheduled_event.{change}",
-            record.to_dict(), _attributes(record))
+            body, _attributes(body))
 
 
 def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
@@ -160,6 +166,10 @@ class OtlpSink:
         check_header_variables(os.environ)
         self._endpoint = endpoint
         self._exporter: Any = self._new_exporter()
+        # Resources by a VM's items, and each Resource once: made once per VM, not once per batch (Resource.create
+        # reads the environment and runs the detectors).
+        self._resources: dict[tuple[tuple[str, Any], ...], Resource] = {}
+        self._canonical: dict[Resource, Resource] = {}
 
     def _new_exporter(self) -> Any:
         if self.protocol == "grpc":
@@ -176,30 +186,40 @@ class OtlpSink:
         if self.protocol == "grpc":
             self.close()
 
-    @staticmethod
-    def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
-        """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
-        by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
-        ordered: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}  # sorted once per VM
-        for record in records:
-            items = tuple(record.data.get("vm", {}).items())
-            vm = ordered.get(items)
-            if vm is None:
-                vm = ordered[items] = tuple(sorted(items))
-            by_vm.setdefault(vm, []).append(record)
-        groups: dict[Resource, list[Record]] = {}
-        for vm, group in by_vm.items():
-            groups.setdefault(resource_for(dict(vm)), []).extend(group)
-        return groups
+    def _by_resource(self, bodies: Sequence[dict[str, Any]]) -> dict[Resource, list[dict[str, Any]]]:
+        """The records (as `Record.to_dict()`) grouped by the Resource of their VM, in order (as the SDK's encoder
+        groups them)."""
+        if len(self._resources) > 256:  # VMs come and go (fleet mode forwards many): keep the cache bounded
+            self._resources.clear()
+            self._canonical.clear()
+        groups: dict[int, tuple[Resource, list[dict[str, Any]]]] = {}  # by the Resource's id: its hash is costly
+        for body in bodies:
+            vm = tuple(body["data"].get("vm", {}).items())
+            try:
+                resource = self._resources.get(vm)
+            except TypeError:  # a value that cannot be a dict key: made afresh
+                resource = self._resource(vm)
+            if resource is None:
+                resource = self._resources[vm] = self._resource(vm)
+            group = groups.get(id(resource))
+            if group is None:
+                group = groups[id(resource)] = (resource, [])
+            group[1].append(body)
+        return dict(groups.values())
+
+    def _resource(self, vm: tuple[tuple[str, Any], ...]) -> Resource:
+        """The Resource of a VM; one object for all VMs with equal Resources (records are grouped by it)."""
+        resource = resource_for(dict(vm))
+        return self._canonical.setdefault(resource, resource)
 
     def encode(self, records: Sequence[Record]) -> Any:
         """The export of `records`, ready for `send_encoded`: over gRPC the request itself, over HTTP the
         SDK's log records (its exporter encodes them)."""
-        groups = self._by_resource(records)
+        groups = self._by_resource(cloudevents(records))
         if self.protocol == "grpc":
-            logs = ((resource, [_log_fields(record) for record in group]) for resource, group in groups.items())
+            logs = ((resource, [_fields(body) for body in group]) for resource, group in groups.items())
             return EncodedLogs(encode_request(logs, _SCOPE), len(records))
-        return [_readable(_log_fields(record), resource) for resource, group in groups.items() for record in group]
+        return [_readable(_fields(body), resource) for resource, group in groups.items() for body in group]
 
     def send_encoded(self, payload: Any) -> None:
         if self._exporter is None:

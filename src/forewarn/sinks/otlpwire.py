@@ -123,11 +123,11 @@ def _key(key: str) -> bytes:
     return encoded
 
 
-#: Per container tag, entries already encoded: by (key, value) for a string value, by (key, value, type) for an
-#: int or a bool (True == 1), by (key, tuple, list) for a list of strings. A backlog's records mostly repeat
-#: these from one record to the next (the VM, the event's type and status, its resources and description, the
-#: record's type). Each memo is cleared when full: the values seen once (ids, times) fill it, the repeated ones
-#: come right back.
+#: Per container tag, entries already encoded: by their (key, value) item for a string, an int or None (none of
+#: these equals a value of another of these types), by (key, value, bool) for a bool (True == 1), by (key, tuple,
+#: list) for a list of strings. A backlog's records mostly repeat these from one record to the next (the VM, the
+#: event's type and status, its resources and description, the record's type). Each memo is cleared when full:
+#: the values seen once (ids, times) fill it, the repeated ones come right back.
 _ENTRIES: dict[bytes, dict[tuple[Any, ...], bytes]] = {}
 _MAX_ENTRIES = 4096
 #: Lists of strings up to this long are remembered whole (an event's resources).
@@ -146,13 +146,13 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
     for item in mapping.items():
         value = item[1]
         kind = type(value)
-        if kind is str:  # most entries, and most of them seen before: one lookup by the (key, value) item itself
+        if kind is str or kind is int:  # most entries, most of them seen before: one lookup by the item itself
             entry = memo.get(item)
             if entry is None:
                 entry = _remember(memo, item, tag, item[0], value)
         elif kind is dict:
             entry = _nested(tag, item[0], value)
-        elif kind is int or kind is bool:
+        elif kind is bool:
             memo_key = (item[0], value, kind)
             entry = memo.get(memo_key)
             if entry is None:
@@ -170,7 +170,7 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
 
 def _entry(tag: bytes, key: Any, value: Any) -> bytes:
     """A KeyValue as field `tag` of its container, encoded afresh."""
-    key_field = _key(key if type(key) is str else str(key))
+    key_field = _KEYS.get(key) or _key(key if type(key) is str else str(key))
     if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
         text = value.encode()
         size = len(text)
@@ -192,16 +192,18 @@ def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag
     return entry
 
 
-#: Per (container tag, key), whether that key's object held only strings when last seen (a record's VM does):
-#: such an object is remembered whole, by its items.
+#: Per (container tag, key), whether that key's object held only strings when first seen (a record's VM does):
+#: such an object is remembered whole, by its items. A key whose object held anything else once (a record's data,
+#: an event) is not looked at again.
 _FLAT: dict[tuple[bytes, str], bool] = {}
 
 
 def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
     """A KeyValue whose value is a kvlist (a nested object)."""
-    memo = _ENTRIES[tag]
+    flat = _FLAT.get((tag, key)) if type(key) is str else False
     whole: tuple[Any, ...] | None = None
-    if type(key) is str and _FLAT.get((tag, key)):
+    if flat:
+        memo = _ENTRIES[tag]
         whole = (key, tuple(value.items()), dict)
         try:
             entry = memo.get(whole)
@@ -217,12 +219,13 @@ def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
         + any_value
     size = len(pair)
     entry = tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
-    if type(key) is str:
-        # only objects of string keys and string values are remembered: no other value can equal theirs (True == 1)
+    if flat is not False:  # seen for the first time, or flat so far: only objects of string keys and values are
+        # remembered, no other value can equal theirs (True == 1)
         flat = len(value) <= _MAX_MEMO_LIST and all(type(k) is str and type(v) is str for k, v in value.items())
         if len(_FLAT) < _MAX_KEYS or (tag, key) in _FLAT:
             _FLAT[(tag, key)] = flat
         if flat:
+            memo = _ENTRIES[tag]
             if len(memo) >= _MAX_ENTRIES:
                 memo.clear()
             memo[whole or (key, tuple(value.items()), dict)] = entry
