@@ -44,18 +44,20 @@ def sample_records() -> list[Record]:
 
 
 def sdk_request(sink: OtlpSink, records: list[Record]) -> Any:
-    groups = sink._by_resource(records)
-    return encode_logs([_readable(_log_fields(r), resource) for resource, group in groups.items() for r in group])
+    """The SDK's request for the SDK's log records of `records`, grouped as the sink groups them."""
+    groups = sink._by_resource([record.to_dict() for record in records])
+    return encode_logs([_readable(_log_fields(Record.from_dict(body)), resource) for resource, group in groups.items()
+                        for body in group])
 
 
 def test_the_request_is_the_sdks_request_byte_for_byte() -> None:
     sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
     try:
         records = sample_records()
-        groups = sink._by_resource(records)
+        groups = sink._by_resource([record.to_dict() for record in records])
         assert len(groups) == 2 and len(records) > 8
-        ours = encode_request(((resource, [_log_fields(r) for r in group]) for resource, group in groups.items()),
-                              _SCOPE)
+        ours = encode_request(((resource, [_log_fields(Record.from_dict(body)) for body in group])
+                               for resource, group in groups.items()), _SCOPE)
         theirs = sdk_request(sink, records)
         assert ours == theirs.SerializeToString()
         parsed = ExportLogsServiceRequest.FromString(ours)

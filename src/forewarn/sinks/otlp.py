@@ -36,7 +36,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from forewarn import __version__
 from forewarn.records import Record, cloudevents
 from forewarn.sinks import SinkConfigError, SinkError
-from forewarn.sinks.otlpwire import EncodedLogs, LogFields, encode_request
+from forewarn.sinks.otlpwire import EncodedLogs, Layout, LogFields, encode_request
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
@@ -95,32 +95,36 @@ def resource_for(vm: Mapping[str, str]) -> Resource:
     return Resource.create(attributes)
 
 
-def _attributes(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The log record's attributes, from the record's CloudEvent (`Record.to_dict()`)."""
+#: A log record's attributes, in order: these always, then the last seven when not None. The record's ids and
+#: incarnation (and its resources, a list) are encoded one by one, the other entries together (`Layout`).
+_ATTRIBUTES = Layout(
+    ("cloudevents.event_id", "cloudevents.event_source", "cloudevents.event_type", "cloudevents.event_subject",
+     "azure.scheduled_event.change", "azure.scheduled_event.id", "azure.scheduled_event.type",
+     "azure.scheduled_event.status", "azure.scheduled_event.incarnation", "azure.scheduled_event.affects_this_vm",
+     "azure.scheduled_event.resources",
+     "azure.scheduled_event.source", "azure.scheduled_event.duration_seconds", "azure.scheduled_event.not_before",
+     "azure.scheduled_event.outcome", "azure.scheduled_event.previous_status", "azure.scheduled_event.policy_rule",
+     "azure.scheduled_event.dry_run"),
+    optional=7,
+    holes=("cloudevents.event_id", "cloudevents.event_subject", "azure.scheduled_event.id",
+           "azure.scheduled_event.incarnation", "azure.scheduled_event.resources"))
+
+
+def _attribute_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The values of the log record's attributes (`_ATTRIBUTES`' keys), from the record's CloudEvent
+    (`Record.to_dict()`)."""
     data = body["data"]
     event = data.get("event", {})
-    attributes: dict[str, Any] = {
-        "cloudevents.event_id": body["id"],
-        "cloudevents.event_source": body["source"],
-        "cloudevents.event_type": body["type"],
-        "cloudevents.event_subject": body["subject"],
-        "azure.scheduled_event.change": data["change"],
-        "azure.scheduled_event.id": event.get("EventId", body["subject"]),
-        "azure.scheduled_event.type": event.get("EventType", ""),
-        "azure.scheduled_event.status": event.get("EventStatus", ""),
-        "azure.scheduled_event.incarnation": data.get("incarnation", 0),
-        "azure.scheduled_event.affects_this_vm": bool(data.get("affects_this_vm", False)),
-        "azure.scheduled_event.resources": list(event.get("Resources", [])),
-    }
-    optional = {"azure.scheduled_event.source": event.get("EventSource"),
-                "azure.scheduled_event.duration_seconds": event.get("DurationInSeconds"),
-                "azure.scheduled_event.not_before": data.get("not_before"),
-                "azure.scheduled_event.outcome": data.get("outcome"),
-                "azure.scheduled_event.previous_status": data.get("previous_status"),
-                "azure.scheduled_event.policy_rule": data.get("policy_rule"),
-                "azure.scheduled_event.dry_run": data.get("dry_run")}
-    attributes.update({key: value for key, value in optional.items() if value is not None})
-    return attributes
+    return (body["id"], body["source"], body["type"], body["subject"], data["change"],
+            event.get("EventId", body["subject"]), event.get("EventType", ""), event.get("EventStatus", ""),
+            data.get("incarnation", 0), bool(data.get("affects_this_vm", False)), list(event.get("Resources", [])),
+            event.get("EventSource"), event.get("DurationInSeconds"), data.get("not_before"), data.get("outcome"),
+            data.get("previous_status"), data.get("policy_rule"), data.get("dry_run"))
+
+
+def _attributes(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The log record's attributes, from the record's CloudEvent (`Record.to_dict()`)."""
+    return _ATTRIBUTES.mapping(_attribute_values(body))
 
 
 @functools.lru_cache(maxsize=256)  # the records of one poll share their time
@@ -139,19 +143,22 @@ def _log_fields(record: Record) -> LogFields:
     return _fields(record.to_dict())
 
 
-def _fields(body: dict[str, Any]) -> LogFields:
-    """`_log_fields` of the record whose `to_dict()` is `body`."""
+def _fields(body: dict[str, Any], encoded: bool = False) -> LogFields:
+    """`_log_fields` of the record whose `to_dict()` is `body`; with `encoded`, the attributes as `otlpwire` writes
+    them (for the gRPC request)."""
     data = body["data"]
     change = data["change"]
     warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")
     nanos = _nanos(body["time"])
     return (nanos, nanos, _WARN if warn else _INFO, "WARN" if warn else "INFO", f"azure.scheduled_event.{change}",
-            body, _attributes(body))
+            body, _ATTRIBUTES.encode(b"\x32", _attribute_values(body)) if encoded else _attributes(body))
 
 
 def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
     """The SDK's log record for `fields` (the HTTP exporter encodes these itself)."""
     timestamp, observed, severity, severity_text, event_name, body, attributes = fields
+    if isinstance(attributes, bytes):
+        raise TypeError("the SDK's log record takes the attributes as a mapping, not encoded")
     log_record = LogRecord(timestamp=timestamp, observed_timestamp=observed,
                            severity_number=SeverityNumber(severity), severity_text=severity_text, body=body,
                            attributes=attributes, event_name=event_name)
@@ -217,7 +224,7 @@ class OtlpSink:
         SDK's log records (its exporter encodes them)."""
         groups = self._by_resource(cloudevents(records))
         if self.protocol == "grpc":
-            logs = ((resource, [_fields(body) for body in group]) for resource, group in groups.items())
+            logs = ((resource, [_fields(body, encoded=True) for body in group]) for resource, group in groups.items())
             return EncodedLogs(encode_request(logs, _SCOPE), len(records))
         return [_readable(_fields(body), resource) for resource, group in groups.items() for body in group]
 

@@ -13,6 +13,8 @@ headers, TLS, compression, retries and timeout, as bytes (`SerializedLogsStub`).
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,8 +23,9 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-#: One log record as the sink describes it: timestamps, severity, event name, body and attributes.
-LogFields = tuple[int, int, int, str, str, Any, Mapping[str, Any]]
+#: One log record as the sink describes it: timestamps, severity, event name, body and attributes (a mapping, or
+#: its KeyValues already encoded as field 6 of the log record, by a `Layout`).
+LogFields = tuple[int, int, int, str, str, Any, "Mapping[str, Any] | bytes"]
 
 _INT64 = 1 << 63
 
@@ -172,13 +175,19 @@ def _entry(tag: bytes, key: Any, value: Any) -> bytes:
     """A KeyValue as field `tag` of its container, encoded afresh."""
     key_field = _KEYS.get(key) or _key(key if type(key) is str else str(key))
     if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
-        text = value.encode()
-        size = len(text)
-        pair_size = len(key_field) + size + 4
-        if pair_size < 128:
-            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+        return _string_entry(tag, key_field, value)
     pair = key_field + _length_delimited(b"\x12", any_value(value))
     return _length_delimited(tag, pair)
+
+
+def _string_entry(tag: bytes, key_field: bytes, value: str) -> bytes:
+    """A KeyValue with a string value as field `tag` of its container, its key field given."""
+    text = value.encode()
+    size = len(text)
+    pair_size = len(key_field) + size + 4
+    if pair_size < 128:
+        return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+    return _length_delimited(tag, key_field + _length_delimited(b"\x12", _length_delimited(b"\x0a", text)))
 
 
 def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag: bytes, key: Any,
@@ -236,6 +245,71 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     return _entries(tag, attributes) if attributes else b""
 
 
+def _one(tag: bytes, key: str, value: Any) -> bytes:
+    """The KeyValue `_entries` writes for one entry."""
+    if type(value) is str or type(value) is int:
+        memo = _ENTRIES.get(tag)
+        if memo is not None:
+            item = (key, value)
+            return memo.get(item) or _remember(memo, item, tag, key, value)
+    return _entries(tag, {key: value})
+
+
+class Layout:
+    """Attributes with the same keys in the same order in every log record (the OTLP sink's), given as the tuple
+    of their values and encoded as `_entries` encodes the mapping of the same entries, with less work: the entries
+    at `holes` (values that differ in every record: ids) one by one, the runs of entries between them together,
+    remembered by their values and the values' types (True == 1 == 1.0, but not with their types). The last
+    `optional` keys are left out when their value is None."""
+
+    def __init__(self, keys: Sequence[str], optional: int, holes: Iterable[str]) -> None:
+        self.keys = tuple(keys)
+        self._required = len(self.keys) - optional
+        self._holes = tuple(self.keys.index(key) for key in holes)
+        if list(self._holes) != sorted(self._holes) or max(self._holes) >= self._required:
+            raise ValueError("holes must be required keys, in order")
+        stable = [i for i in range(len(self.keys)) if i not in self._holes]
+        self._stable = operator.itemgetter(*stable)
+        self._key_fields = tuple(_key(key) for key in self.keys)
+        self._memo: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
+
+    def mapping(self, values: Sequence[Any]) -> dict[str, Any]:
+        """The attributes as a mapping (what the SDK is given)."""
+        return {key: value for index, (key, value) in enumerate(zip(self.keys, values, strict=True))
+                if value is not None or index < self._required}
+
+    def encode(self, tag: bytes, values: tuple[Any, ...]) -> bytes:
+        """The KeyValues of the attributes, each as field `tag` of its container."""
+        stable = self._stable(values)
+        try:
+            memo_key = (stable, tuple(map(type, stable)))
+            between = self._memo.get(memo_key)
+        except TypeError:  # a list or an object between the holes: no key for it
+            return _entries(tag, self.mapping(values))
+        if between is None:
+            between = self._memo[memo_key] = self._between(tag, values)
+        parts = [between[0]]
+        append = parts.append
+        keys = self.keys
+        for run, hole in enumerate(self._holes, 1):
+            value = values[hole]
+            if type(value) is str:  # an id: seen once, not remembered
+                append(_string_entry(tag, self._key_fields[hole], value))
+            else:
+                append(_one(tag, keys[hole], value))
+            append(between[run])
+        return b"".join(parts)
+
+    def _between(self, tag: bytes, values: tuple[Any, ...]) -> tuple[bytes, ...]:
+        """The encoded runs of entries before, between and after the holes."""
+        if len(self._memo) >= _MAX_ENTRIES:
+            self._memo.clear()
+        bounds = (-1, *self._holes, len(self.keys))
+        return tuple(_entries(tag, {self.keys[i]: values[i] for i in range(start + 1, end)
+                                    if values[i] is not None or i < self._required})
+                     for start, end in itertools.pairwise(bounds))
+
+
 #: The strings of a log record that come from a handful (severity texts, event names), already encoded.
 _FIELDS: dict[tuple[bytes, str], bytes] = {}
 
@@ -258,7 +332,7 @@ def _log_record(fields: LogFields) -> bytes:
         b"\x10" + _varint(severity) if severity else b"",
         _field(b"\x1a", severity_text) if severity_text else b"",
         _length_delimited(b"\x2a", any_value(body)),
-        _attributes(b"\x32", attributes),
+        attributes if isinstance(attributes, bytes) else _attributes(b"\x32", attributes),
         b"\x59" + struct.pack("<Q", observed) if observed else b"",
         _field(b"\x62", event_name) if event_name else b"",
     ))
