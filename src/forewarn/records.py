@@ -125,7 +125,7 @@ class JsonRecords(Sequence[Record]):
 
 
 #: The keys of `Record.to_dict()`, in its order.
-_CLOUDEVENT_KEYS = ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "data")
+CLOUDEVENT_KEYS = ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "data")
 
 
 def cloudevents(records: Sequence[Record]) -> list[dict[str, Any]]:
@@ -137,7 +137,7 @@ def cloudevents(records: Sequence[Record]) -> list[dict[str, Any]]:
     out = []
     for text in records.texts:
         value = _loads(text)
-        if (type(value) is not dict or tuple(value) != _CLOUDEVENT_KEYS or value["specversion"] != SPEC_VERSION
+        if (type(value) is not dict or tuple(value) != CLOUDEVENT_KEYS or value["specversion"] != SPEC_VERSION
                 or value["datacontenttype"] != CONTENT_TYPE or type(value["data"]) is not dict):
             value = Record.from_dict(value).to_dict()
         out.append(value)

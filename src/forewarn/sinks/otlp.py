@@ -34,9 +34,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from forewarn import __version__
-from forewarn.records import Record, cloudevents
+from forewarn.records import CLOUDEVENT_KEYS, Record, cloudevents
 from forewarn.sinks import SinkConfigError, SinkError
-from forewarn.sinks.otlpwire import EncodedLogs, Layout, LogFields, encode_request
+from forewarn.sinks.otlpwire import EncodedLogs, KvlistBody, Layout, LogFields, encode_request
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
@@ -110,6 +110,11 @@ _ATTRIBUTES = Layout(
            "azure.scheduled_event.incarnation", "azure.scheduled_event.resources"))
 
 
+#: The body of a log record, the record's CloudEvent (`Record.to_dict()`, whose keys `records.cloudevents`
+#: guarantees): its ids, and its data, encoded one by one, the other entries together.
+_BODY = Layout(CLOUDEVENT_KEYS, optional=0, holes=("id", "subject", "data"))
+
+
 def _attribute_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
     """The values of the log record's attributes (`_ATTRIBUTES`' keys), from the record's CloudEvent
     (`Record.to_dict()`)."""
@@ -151,7 +156,8 @@ def _fields(body: dict[str, Any], encoded: bool = False) -> LogFields:
     warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")
     nanos = _nanos(body["time"])
     return (nanos, nanos, _WARN if warn else _INFO, "WARN" if warn else "INFO", f"azure.scheduled_event.{change}",
-            body, _ATTRIBUTES.encode(b"\x32", _attribute_values(body)) if encoded else _attributes(body))
+            KvlistBody(_BODY.encode(b"\x0a", tuple(body.values()))) if encoded else body,
+            _ATTRIBUTES.encode(b"\x32", _attribute_values(body)) if encoded else _attributes(body))
 
 
 def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:

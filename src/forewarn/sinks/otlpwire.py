@@ -49,7 +49,11 @@ def _varint(value: int) -> bytes:
 
 def _length_delimited(tag: bytes, payload: bytes) -> bytes:
     size = len(payload)
-    return tag + (_SMALL[size] if size < 128 else _varint(size)) + payload
+    if size < 128:
+        return tag + _SMALL[size] + payload
+    if size < 16384:  # a nested object, a log record's body or the log record
+        return b"".join((tag, bytes(((size & 0x7F) | 0x80, size >> 7)), payload))
+    return tag + _varint(size) + payload
 
 
 def _string(tag: bytes, text: str) -> bytes:
@@ -247,17 +251,23 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
 
 def _one(tag: bytes, key: str, value: Any) -> bytes:
     """The KeyValue `_entries` writes for one entry."""
-    if type(value) is str or type(value) is int:
-        memo = _ENTRIES.get(tag)
-        if memo is not None:
+    if type(value) is dict:
+        return _nested(tag, key, value)
+    memo = _ENTRIES.get(tag)
+    if memo is not None:
+        if type(value) is str or type(value) is int:
             item = (key, value)
             return memo.get(item) or _remember(memo, item, tag, key, value)
+        if type(value) is list and len(value) <= _MAX_MEMO_LIST and all(type(element) is str for element in value):
+            memo_key = (key, tuple(value), list)
+            return memo.get(memo_key) or _remember(memo, memo_key, tag, key, value)
     return _entries(tag, {key: value})
 
 
 class Layout:
-    """Attributes with the same keys in the same order in every log record (the OTLP sink's), given as the tuple
-    of their values and encoded as `_entries` encodes the mapping of the same entries, with less work: the entries
+    """Objects with the same keys in the same order in every log record (the OTLP sink's attributes, its body),
+    given as the tuple of their values and encoded as `_entries` encodes the mapping of the same entries, with less
+    work: the entries
     at `holes` (values that differ in every record: ids) one by one, the runs of entries between them together,
     remembered by their values and the values' types (True == 1 == 1.0, but not with their types). The last
     `optional` keys are left out when their value is None."""
@@ -331,7 +341,8 @@ def _log_record(fields: LogFields) -> bytes:
         b"\x09" + struct.pack("<Q", timestamp) if timestamp else b"",
         b"\x10" + _varint(severity) if severity else b"",
         _field(b"\x1a", severity_text) if severity_text else b"",
-        _length_delimited(b"\x2a", any_value(body)),
+        _length_delimited(b"\x2a", _length_delimited(b"\x32", body.entries) if type(body) is KvlistBody
+                          else any_value(body)),
         attributes if isinstance(attributes, bytes) else _attributes(b"\x32", attributes),
         b"\x59" + struct.pack("<Q", observed) if observed else b"",
         _field(b"\x62", event_name) if event_name else b"",
@@ -357,6 +368,15 @@ def encode_request(groups: Iterable[tuple[Resource, Sequence[LogFields]]], scope
                                        _length_delimited(b"\x12", scope_logs),
                                        _string(b"\x1a", resource.schema_url) if resource.schema_url else b"")))
     return b"".join([_length_delimited(b"\x0a", r) for r in resource_logs])
+
+
+class KvlistBody:
+    """A log record's body that is an object, its entries already encoded (by a `Layout`)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: bytes) -> None:
+        self.entries = entries
 
 
 class EncodedLogs:
