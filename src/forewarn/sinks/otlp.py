@@ -120,9 +120,13 @@ def _attribute_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
     (`Record.to_dict()`)."""
     data = body["data"]
     event = data.get("event", {})
+    # IMDS's Resources as the document reads them: anything but a list is ignored (a null or a number here once
+    # failed every export of its batch, for ever)
+    resources = event.get("Resources")
     return (body["id"], body["source"], body["type"], body["subject"], data["change"],
             event.get("EventId", body["subject"]), event.get("EventType", ""), event.get("EventStatus", ""),
-            data.get("incarnation", 0), bool(data.get("affects_this_vm", False)), list(event.get("Resources", [])),
+            data.get("incarnation", 0), bool(data.get("affects_this_vm", False)),
+            list(resources) if isinstance(resources, list) else [],
             event.get("EventSource"), event.get("DurationInSeconds"), data.get("not_before"), data.get("outcome"),
             data.get("previous_status"), data.get("policy_rule"), data.get("dry_run"))
 
