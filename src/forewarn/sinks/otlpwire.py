@@ -180,6 +180,11 @@ def _entry(tag: bytes, key: Any, value: Any) -> bytes:
     key_field = _KEYS.get(key) or _key(key if type(key) is str else str(key))
     if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
         return _string_entry(tag, key_field, value)
+    if type(value) is int:  # the next commonest (an incarnation): an AnyValue of at most 11 bytes
+        encoded = _int(value)
+        pair_size = len(key_field) + len(encoded) + 2
+        if pair_size < 128:
+            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[len(encoded)], encoded))
     pair = key_field + _length_delimited(b"\x12", any_value(value))
     return _length_delimited(tag, pair)
 
@@ -225,13 +230,15 @@ def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
         if entry is not None:
             return entry
     inner = _entries(b"\x0a", value)
+    # written in one piece (the sizes added up), not copied once per level
     size = len(inner)
-    any_value = b"\x32" + (_SMALL[size] if size < 128 else _varint(size)) + inner
-    size = len(any_value)
-    pair = _key(key if type(key) is str else str(key)) + b"\x12" + (_SMALL[size] if size < 128 else _varint(size)) \
-        + any_value
-    size = len(pair)
-    entry = tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
+    inner_size = _SMALL[size] if size < 128 else _varint(size)
+    size += 1 + len(inner_size)  # the AnyValue: kvlist 6
+    value_size = _SMALL[size] if size < 128 else _varint(size)
+    key_field = _key(key if type(key) is str else str(key))
+    size += len(key_field) + 1 + len(value_size)  # the KeyValue: key 1, value 2
+    entry = b"".join((tag, _SMALL[size] if size < 128 else _varint(size), key_field, b"\x12", value_size, b"\x32",
+                      inner_size, inner))
     if flat is not False:  # seen for the first time, or flat so far: only objects of string keys and values are
         # remembered, no other value can equal theirs (True == 1)
         flat = len(value) <= _MAX_MEMO_LIST and all(type(k) is str and type(v) is str for k, v in value.items())
@@ -337,12 +344,19 @@ def _log_record(fields: LogFields) -> bytes:
     """A LogRecord: time 1, severity number 2 and text 3, body 5, attributes 6, observed time 11,
     event name 12 (no trace context, nothing dropped)."""
     timestamp, observed, severity, severity_text, event_name, body, attributes = fields
+    if type(body) is KvlistBody:  # its AnyValue (kvlist 6) written in one piece with the rest
+        size = len(body.entries)
+        entries_size = _SMALL[size] if size < 128 else _varint(size)
+        size += 1 + len(entries_size)
+        body_field: tuple[bytes, ...] = (b"\x2a", _SMALL[size] if size < 128 else _varint(size), b"\x32", entries_size,
+                                         body.entries)
+    else:
+        body_field = (_length_delimited(b"\x2a", any_value(body)),)
     return b"".join((
         b"\x09" + struct.pack("<Q", timestamp) if timestamp else b"",
         b"\x10" + _varint(severity) if severity else b"",
         _field(b"\x1a", severity_text) if severity_text else b"",
-        _length_delimited(b"\x2a", _length_delimited(b"\x32", body.entries) if type(body) is KvlistBody
-                          else any_value(body)),
+        *body_field,
         attributes if isinstance(attributes, bytes) else _attributes(b"\x32", attributes),
         b"\x59" + struct.pack("<Q", observed) if observed else b"",
         _field(b"\x62", event_name) if event_name else b"",
