@@ -125,10 +125,11 @@ def test_hostile_log_records_encode_as_the_sdk_encodes_them(bodies: list[Any], a
 
 
 def test_equal_values_of_other_types_never_share_a_remembered_encoding() -> None:
-    """True == 1 == 1.0 and they hash alike: the memos must still tell them apart, nested or not."""
+    """True == 1 == 1.0 and 0.0 == -0.0, and they hash alike: the memos must still tell them apart, nested or not."""
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_value
 
-    values: list[Any] = [1, True, 1.0, "1", [1], [True], ["1"], {"a": "1"}, {"a": 1}, {"a": True}, {"a": ["1"]}]
+    values: list[Any] = [1, True, 1.0, "1", [1], [True], ["1"], {"a": "1"}, {"a": 1}, {"a": True}, {"a": ["1"]},
+                         0.0, -0.0, [0.0], [-0.0], {"a": 0.0}, {"a": -0.0}]
     for _ in range(2):
         for value in values:
             for body in ({"k": value}, {"vm": {"k": value}}, {1: value}, {True: value}):
@@ -257,7 +258,7 @@ def test_a_layout_tells_equal_values_of_other_types_apart_and_leaves_out_none_wh
     layout = Layout(("id", "a", "b", "c"), optional=1, holes=("id",))
     for _ in range(2):  # the second time from the memo
         for a in (1, True, 1.0, "1", [1], [True], {"k": 1}, {"k": True}, None):
-            for c in (None, 0, False, 0.0, ""):
+            for c in (None, 0, False, 0.0, -0.0, ""):
                 values = (f"id-{a!r}", a, "b", c)
                 mapping = {"id": values[0], "a": a, "b": "b", **({} if c is None else {"c": c})}
                 assert layout.mapping(values) == mapping

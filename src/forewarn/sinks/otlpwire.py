@@ -276,7 +276,8 @@ class Layout:
     given as the tuple of their values and encoded as `_entries` encodes the mapping of the same entries, with less
     work: the entries
     at `holes` (values that differ in every record: ids) one by one, the runs of entries between them together,
-    remembered by their values and the values' types (True == 1 == 1.0, but not with their types). The last
+    remembered by their values and the values' types (True == 1 == 1.0, but not with their types; 0.0 == -0.0
+    even with them, so a float there is encoded entry by entry). The last
     `optional` keys are left out when their value is None."""
 
     def __init__(self, keys: Sequence[str], optional: int, holes: Iterable[str]) -> None:
@@ -298,8 +299,11 @@ class Layout:
     def encode(self, tag: bytes, values: tuple[Any, ...]) -> bytes:
         """The KeyValues of the attributes, each as field `tag` of its container."""
         stable = self._stable(values)
+        types = tuple(map(type, stable))
+        if float in types:  # 0.0 == -0.0, and they hash alike, but their bytes differ
+            return _entries(tag, self.mapping(values))
         try:
-            memo_key = (stable, tuple(map(type, stable)))
+            memo_key = (stable, types)
             between = self._memo.get(memo_key)
         except TypeError:  # a list or an object between the holes: no key for it
             return _entries(tag, self.mapping(values))
