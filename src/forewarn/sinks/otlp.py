@@ -153,8 +153,9 @@ def _log_fields(record: Record) -> LogFields:
 
 
 def _fields(body: dict[str, Any], encoded: bool = False) -> LogFields:
-    """`_log_fields` of the record whose `to_dict()` is `body`; with `encoded`, the attributes as `otlpwire` writes
-    them (for the gRPC request)."""
+    """`_log_fields` of the record whose `to_dict()` is `body`; with `encoded`, the body's entries and the attributes
+    already written by their `Layout`s (for the gRPC request; `body` as `records.cloudevents` gives it, in the order
+    of CLOUDEVENT_KEYS)."""
     data = body["data"]
     change = data["change"]
     warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")

@@ -5,8 +5,9 @@ record, each through `isinstance` checks against the collection ABCs): a cProfil
 put 80% of the OTLP sink's time there. Here the whole request is written as protobuf wire bytes by a few
 lines of code (the messages of opentelemetry-proto's logs.proto and common.proto). A backlog's records
 repeat most of their keys and values (the VM, the event's type and status, its resources, the record's
-type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos).
-The result is the request the SDK would send for the same log records, byte for byte
+type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos);
+objects with the same keys in every record (the attributes, the body's top level) are written by a `Layout`,
+their ids one by one and the entries between them as remembered runs. The result is the request the SDK would send for the same log records, byte for byte
 (tests/test_otlp_wire.py compares the two); the SDK's gRPC exporter still sends it, with its endpoint,
 headers, TLS, compression, retries and timeout, as bytes (`SerializedLogsStub`).
 """
@@ -130,9 +131,9 @@ def _key(key: str) -> bytes:
     return encoded
 
 
-#: Per container tag, entries already encoded: by their (key, value) item for a string, an int or None (none of
-#: these equals a value of another of these types), by (key, value, bool) for a bool (True == 1), by (key, tuple,
-#: list) for a list of strings. A backlog's records mostly repeat these from one record to the next (the VM, the
+#: Per container tag, entries already encoded: by their (key, value) item for a string or an int (neither equals a
+#: value of the other type), by (key, value, bool) for a bool (True == 1), by (key, tuple, list) for a list of
+#: strings. A backlog's records mostly repeat these from one record to the next (the VM, the
 #: event's type and status, its resources and description, the record's type). Each memo is cleared when full:
 #: the values seen once (ids, times) fill it, the repeated ones come right back.
 _ENTRIES: dict[bytes, dict[tuple[Any, ...], bytes]] = {}
@@ -273,11 +274,10 @@ def _one(tag: bytes, key: str, value: Any) -> bytes:
 
 class Layout:
     """Objects with the same keys in the same order in every log record (the OTLP sink's attributes, its body),
-    given as the tuple of their values and encoded as `_entries` encodes the mapping of the same entries, with less
-    work: the entries
-    at `holes` (values that differ in every record: ids) one by one, the runs of entries between them together,
-    remembered by their values and the values' types (True == 1 == 1.0, but not with their types; 0.0 == -0.0
-    even with them, so a float there is encoded entry by entry). The last
+    given as the tuple of their values and encoded as `_entries` encodes the mapping of the same entries, with
+    less work: the entries at `holes` (values that differ in every record: ids) one by one, the runs of entries
+    between them together, remembered by their values and the values' types (True == 1 == 1.0, but not with their
+    types; 0.0 == -0.0 even with them, so with a float among them the object is encoded entry by entry). The last
     `optional` keys are left out when their value is None."""
 
     def __init__(self, keys: Sequence[str], optional: int, holes: Iterable[str]) -> None:
@@ -292,12 +292,12 @@ class Layout:
         self._memo: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
 
     def mapping(self, values: Sequence[Any]) -> dict[str, Any]:
-        """The attributes as a mapping (what the SDK is given)."""
+        """The object as a mapping (what the SDK is given)."""
         return {key: value for index, (key, value) in enumerate(zip(self.keys, values, strict=True))
                 if value is not None or index < self._required}
 
     def encode(self, tag: bytes, values: tuple[Any, ...]) -> bytes:
-        """The KeyValues of the attributes, each as field `tag` of its container."""
+        """The object's KeyValues, each as field `tag` of its container."""
         stable = self._stable(values)
         types = tuple(map(type, stable))
         if float in types:  # 0.0 == -0.0, and they hash alike, but their bytes differ
