@@ -7,9 +7,10 @@ lines of code (the messages of opentelemetry-proto's logs.proto and common.proto
 repeat most of their keys and values (the VM, the event's type and status, its resources, the record's
 type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos);
 objects with the same keys in every record (the attributes, the body's top level) are written by a `Layout`,
-their ids one by one and the entries between them as remembered runs. The result is the request the SDK would send for the same log records, byte for byte
-(tests/test_otlp_wire.py compares the two); the SDK's gRPC exporter still sends it, with its endpoint,
-headers, TLS, compression, retries and timeout, as bytes (`SerializedLogsStub`).
+their ids one by one and the entries between them as remembered runs. The result is the request the SDK
+would send for the same log records, byte for byte (tests/test_otlp_wire.py compares the two); the SDK's gRPC
+exporter still sends it, with its endpoint, headers, TLS, compression, retries and timeout, as bytes
+(`SerializedLogsStub`).
 """
 
 from __future__ import annotations
