@@ -224,7 +224,7 @@ def hostile_records(draw: st.DrawFn) -> Record:
                   time=draw(st.sampled_from(["2024-05-01T12:00:00.123Z", "2026-11-24T13:34:09.969Z"])), data=data)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(hostile_records(), min_size=1, max_size=5))
 def test_hostile_records_encode_through_the_grpc_sink_as_through_the_mappings(records: list[Record]) -> None:
     """Any JSON value where the sink reads a field (huge strings, deep nesting, NaN and the infinities, unicode,
