@@ -44,18 +44,20 @@ def sample_records() -> list[Record]:
 
 
 def sdk_request(sink: OtlpSink, records: list[Record]) -> Any:
-    groups = sink._by_resource(records)
-    return encode_logs([_readable(_log_fields(r), resource) for resource, group in groups.items() for r in group])
+    """The SDK's request for the SDK's log records of `records`, grouped as the sink groups them."""
+    groups = sink._by_resource([record.to_dict() for record in records])
+    return encode_logs([_readable(_log_fields(Record.from_dict(body)), resource) for resource, group in groups.items()
+                        for body in group])
 
 
 def test_the_request_is_the_sdks_request_byte_for_byte() -> None:
     sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
     try:
         records = sample_records()
-        groups = sink._by_resource(records)
+        groups = sink._by_resource([record.to_dict() for record in records])
         assert len(groups) == 2 and len(records) > 8
-        ours = encode_request(((resource, [_log_fields(r) for r in group]) for resource, group in groups.items()),
-                              _SCOPE)
+        ours = encode_request(((resource, [_log_fields(Record.from_dict(body)) for body in group])
+                               for resource, group in groups.items()), _SCOPE)
         theirs = sdk_request(sink, records)
         assert ours == theirs.SerializeToString()
         parsed = ExportLogsServiceRequest.FromString(ours)
@@ -123,11 +125,153 @@ def test_hostile_log_records_encode_as_the_sdk_encodes_them(bodies: list[Any], a
 
 
 def test_equal_values_of_other_types_never_share_a_remembered_encoding() -> None:
-    """True == 1 == 1.0 and they hash alike: the memos must still tell them apart, nested or not."""
+    """True == 1 == 1.0 and 0.0 == -0.0, and they hash alike: the memos must still tell them apart, nested or not."""
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_value
 
-    values: list[Any] = [1, True, 1.0, "1", [1], [True], ["1"], {"a": "1"}, {"a": 1}, {"a": True}, {"a": ["1"]}]
+    values: list[Any] = [1, True, 1.0, "1", [1], [True], ["1"], {"a": "1"}, {"a": 1}, {"a": True}, {"a": ["1"]},
+                         0.0, -0.0, [0.0], [-0.0], {"a": 0.0}, {"a": -0.0}]
     for _ in range(2):
         for value in values:
             for body in ({"k": value}, {"vm": {"k": value}}, {1: value}, {True: value}):
                 assert any_value(body) == _encode_value(body).SerializeToString(), body
+
+
+def dict_path_request(records: list[Record]) -> bytes:
+    """The request `encode_request` writes for the log fields, as mappings, of the records read back from their
+    JSON text (the reference the tests above hold to the SDK's bytes), grouped as the sink groups them."""
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
+    try:
+        groups = sink._by_resource([Record.from_json(record.to_json()).to_dict() for record in records])
+        return encode_request(((resource, [_log_fields(Record.from_dict(body)) for body in group])
+                               for resource, group in groups.items()), _SCOPE)
+    finally:
+        sink.close()
+
+
+def grpc_request(records: list[Record]) -> bytes:
+    """The request the gRPC sink encodes for the records read back from the outbox (its Layouts, the bodies parsed
+    straight from the text)."""
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="grpc")
+    try:
+        payload = sink.encode(JsonRecords([record.to_json() for record in records]))
+        assert isinstance(payload, EncodedLogs) and len(payload) == len(records)
+        return payload.request
+    finally:
+        sink.close()
+
+
+def test_the_grpc_sinks_request_is_the_sdks_request_byte_for_byte() -> None:
+    """What the sink sends over gRPC (bodies and attributes laid out, resources cached per VM), twice so that the
+    memos answer, is the SDK's request for the same records."""
+    records = sample_records()
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
+    try:
+        theirs = sdk_request(sink, records).SerializeToString()
+    finally:
+        sink.close()
+    assert grpc_request(records) == theirs
+    assert grpc_request(records) == theirs
+    assert grpc_request(records[::-1]) == dict_path_request(records[::-1])
+
+
+def test_records_of_one_vm_with_its_fields_in_another_order_share_one_resource() -> None:
+    vm = {"name": "vm-0", "vm_id": "id-0", "location": "westeurope"}
+    records = [Record(id=f"id-{i}", source="s", type="t", subject="E", time="2024-05-01T12:00:00.123Z",
+                      data={"change": "added", "event": {"EventId": "E"},
+                            "vm": vm if i % 2 else dict(reversed(list(vm.items())))})
+               for i in range(4)]
+    parsed = ExportLogsServiceRequest.FromString(grpc_request(records))
+    assert len(parsed.resource_logs) == 1
+    ids = [next(a.value.string_value for a in log.attributes if a.key == "cloudevents.event_id")
+           for log in parsed.resource_logs[0].scope_logs[0].log_records]
+    assert ids == [f"id-{i}" for i in range(4)]
+    assert grpc_request(records) == dict_path_request(records)
+
+
+hostile_scalars = (hostile_text | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+                   | st.floats() | st.none())  # NaN and the infinities too: JSON text carries them as NaN, Infinity
+hostile_json = st.recursive(hostile_scalars, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(hostile_text, inner, max_size=4), max_leaves=12)
+deep = st.integers(min_value=1, max_value=60).map(lambda depth: _nest(depth))
+
+
+def _nest(depth: int) -> Any:
+    value: Any = "\U0001f600"
+    for level in range(depth):
+        value = {f"level-{level}": value} if level % 2 else [value, level]
+    return value
+
+
+@st.composite
+def hostile_records(draw: st.DrawFn) -> Record:
+    """A record with the keys the sink reads, each holding any JSON value (or missing), and hostile values around."""
+    field = hostile_json | deep
+    event = draw(st.dictionaries(hostile_text, field, max_size=4))
+    for key in ("EventId", "EventType", "EventStatus", "Resources", "EventSource", "DurationInSeconds"):
+        if draw(st.booleans()):
+            event[key] = draw(field | st.lists(hostile_scalars, max_size=3))
+    data: dict[str, Any] = {"change": draw(st.sampled_from(["added", "updated", "removed", "approved"])),
+                            "event": event}
+    for key in ("incarnation", "affects_this_vm", "not_before", "outcome", "previous_status", "policy_rule",
+                "dry_run"):
+        if draw(st.booleans()):
+            data[key] = draw(field)
+    data["vm"] = draw(st.dictionaries(st.sampled_from(["name", "vm_id", "location", "zone"]), hostile_text,
+                                      max_size=4))
+    data.update(draw(st.dictionaries(hostile_text, field, max_size=3)))
+    texts = st.text(max_size=50) | st.sampled_from(["x" * 70_000, "\u00e9t\u00e9 \u2603" * 500])
+    return Record(id=draw(texts), source=draw(texts), type=draw(texts), subject=draw(texts),
+                  time=draw(st.sampled_from(["2024-05-01T12:00:00.123Z", "2026-11-24T13:34:09.969Z"])), data=data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(hostile_records(), min_size=1, max_size=5))
+def test_hostile_records_encode_through_the_grpc_sink_as_through_the_mappings(records: list[Record]) -> None:
+    """Any JSON value where the sink reads a field (huge strings, deep nesting, NaN and the infinities, unicode,
+    True beside 1 and 1.0, lists and objects where strings belong, missing fields), each request encoded twice so
+    that the memos answer: the gRPC sink's Layouts write the bytes `encode_request` writes for the log fields as
+    mappings, which the tests above hold to the SDK's."""
+    assert grpc_request(records) == dict_path_request(records)
+    assert grpc_request(records) == dict_path_request(records)
+
+
+def test_hostile_records_the_sdk_takes_encode_as_the_sdk_encodes_them() -> None:
+    """Non-finite numbers, unicode and a huge string in the body and the attributes, straight against the SDK."""
+    (base,) = sample_records()[:1]
+    data = {**base.data, "incarnation": 2**63 - 1, "affects_this_vm": 1, "dry_run": 0,
+            "event": {**base.data["event"], "EventId": "\U0001f600" * 20_000, "DurationInSeconds": float("inf"),
+                      "EventSource": float("nan"), "Resources": [True, 1, 1.0, "1", float("-inf")],
+                      "Description": "\x00\u00e9\u2603" * 1000, "Nested": _nest(12)}}
+    records = [Record(id=base.id, source=base.source, type=base.type, subject="\u2603", time=base.time, data=data)]
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
+    try:
+        theirs = sdk_request(sink, records).SerializeToString()
+    finally:
+        sink.close()
+    assert grpc_request(records) == theirs
+    assert grpc_request(records) == theirs
+
+
+def test_a_layout_tells_equal_values_of_other_types_apart_and_leaves_out_none_where_optional() -> None:
+    from forewarn.sinks.otlpwire import Layout, _entries
+
+    layout = Layout(("id", "a", "b", "c"), optional=1, holes=("id",))
+    for _ in range(2):  # the second time from the memo
+        for a in (1, True, 1.0, "1", [1], [True], {"k": 1}, {"k": True}, None):
+            for c in (None, 0, False, 0.0, -0.0, ""):
+                values = (f"id-{a!r}", a, "b", c)
+                mapping = {"id": values[0], "a": a, "b": "b", **({} if c is None else {"c": c})}
+                assert layout.mapping(values) == mapping
+                assert layout.encode(b"\x32", values) == _entries(b"\x32", mapping), values
+
+
+def test_resources_that_are_not_a_list_are_an_empty_list_not_a_failed_export() -> None:
+    """IMDS's Resources as null or a number (the document ignores them) once failed every export of the batch."""
+    (base,) = sample_records()[:1]
+    for resources in (None, 7, True, "vm-0"):
+        record = Record(id=base.id, source=base.source, type=base.type, subject=base.subject, time=base.time,
+                        data={**base.data, "event": {**base.data["event"], "Resources": resources}})
+        parsed = ExportLogsServiceRequest.FromString(grpc_request([record]))
+        (log,) = parsed.resource_logs[0].scope_logs[0].log_records
+        (attribute,) = [a for a in log.attributes if a.key == "azure.scheduled_event.resources"]
+        assert attribute.value.HasField("array_value") and not attribute.value.array_value.values

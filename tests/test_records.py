@@ -135,3 +135,26 @@ def test_drain_record_ids_repeat_for_the_same_step_and_differ_between_steps() ->
     del broken["data"]["blocked"]
     with pytest.raises(jsonschema.ValidationError):   # a blocked record must say what blocks it
         jsonschema.validate(broken, SCHEMA)
+
+
+def test_cloudevents_are_the_records_dicts_parsed_straight_from_their_text() -> None:
+    from forewarn.records import JsonRecords, cloudevents
+
+    records = [to_record(change, VM, NOW) for change in changes_of([event()], [event("Started")], [])]
+    stored = JsonRecords([record.to_json() for record in records])
+    assert cloudevents(stored) == [record.to_dict() for record in records] == cloudevents(records)
+    assert [list(value) for value in cloudevents(stored)] == [list(record.to_dict()) for record in records]
+
+
+def test_cloudevents_of_a_text_in_another_form_are_what_its_record_gives() -> None:
+    """A stored text that is not `to_json()` of the dict (another key order, more keys, another spec version or
+    content type, from another writer) still gives the record's `to_dict()`, keys in its order."""
+    from forewarn.records import JsonRecords, cloudevents
+
+    record = to_record(changes_of([event()])[0], VM, NOW)
+    value = record.to_dict()
+    others = [dict(reversed(list(value.items()))), {**value, "extension": "x"},
+              {**value, "specversion": "0.3"}, {**value, "datacontenttype": "text/plain"}]
+    for other in others:
+        (parsed,) = cloudevents(JsonRecords([json.dumps(other)]))
+        assert parsed == record.to_dict() and list(parsed) == list(record.to_dict()), other

@@ -124,6 +124,26 @@ class JsonRecords(Sequence[Record]):
         return record
 
 
+#: The keys of `Record.to_dict()`, in its order.
+CLOUDEVENT_KEYS = ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "data")
+
+
+def cloudevents(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Each record's `to_dict()`. Records held as text are parsed straight into it, with no Record in between
+    (a third of parsing a record): the stored text is `to_json()` of that dict. A text that is not (other keys,
+    another order) goes through a Record, which makes it so."""
+    if not isinstance(records, JsonRecords):
+        return [record.to_dict() for record in records]
+    out = []
+    for text in records.texts:
+        value = _loads(text)
+        if (type(value) is not dict or tuple(value) != CLOUDEVENT_KEYS or value["specversion"] != SPEC_VERSION
+                or value["datacontenttype"] != CONTENT_TYPE or type(value["data"]) is not dict):
+            value = Record.from_dict(value).to_dict()
+        out.append(value)
+    return out
+
+
 def json_lines(records: Sequence[Record]) -> str:
     """The records as JSON lines (each followed by a newline), without parsing records held as text."""
     texts = records.texts if isinstance(records, JsonRecords) else [record.to_json() for record in records]

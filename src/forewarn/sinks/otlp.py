@@ -34,9 +34,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from forewarn import __version__
-from forewarn.records import Record
+from forewarn.records import CLOUDEVENT_KEYS, Record, cloudevents
 from forewarn.sinks import SinkConfigError, SinkError
-from forewarn.sinks.otlpwire import EncodedLogs, LogFields, encode_request
+from forewarn.sinks.otlpwire import EncodedLogs, KvlistBody, Layout, LogFields, encode_request
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
@@ -95,31 +95,45 @@ def resource_for(vm: Mapping[str, str]) -> Resource:
     return Resource.create(attributes)
 
 
-def _attributes(record: Record) -> dict[str, Any]:
-    data = record.data
+#: A log record's attributes, in order: these always, then the last seven when not None. The record's ids and
+#: incarnation (and its resources, a list) are encoded one by one, the other entries together (`Layout`).
+_ATTRIBUTES = Layout(
+    ("cloudevents.event_id", "cloudevents.event_source", "cloudevents.event_type", "cloudevents.event_subject",
+     "azure.scheduled_event.change", "azure.scheduled_event.id", "azure.scheduled_event.type",
+     "azure.scheduled_event.status", "azure.scheduled_event.incarnation", "azure.scheduled_event.affects_this_vm",
+     "azure.scheduled_event.resources",
+     "azure.scheduled_event.source", "azure.scheduled_event.duration_seconds", "azure.scheduled_event.not_before",
+     "azure.scheduled_event.outcome", "azure.scheduled_event.previous_status", "azure.scheduled_event.policy_rule",
+     "azure.scheduled_event.dry_run"),
+    optional=7,
+    holes=("cloudevents.event_id", "cloudevents.event_subject", "azure.scheduled_event.id",
+           "azure.scheduled_event.incarnation", "azure.scheduled_event.resources"))
+
+
+#: The body of a log record, the record's CloudEvent (`Record.to_dict()`, whose keys `records.cloudevents`
+#: guarantees): its ids, and its data, encoded one by one, the other entries together.
+_BODY = Layout(CLOUDEVENT_KEYS, optional=0, holes=("id", "subject", "data"))
+
+
+def _attribute_values(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The values of the log record's attributes (`_ATTRIBUTES`' keys), from the record's CloudEvent
+    (`Record.to_dict()`)."""
+    data = body["data"]
     event = data.get("event", {})
-    attributes: dict[str, Any] = {
-        "cloudevents.event_id": record.id,
-        "cloudevents.event_source": record.source,
-        "cloudevents.event_type": record.type,
-        "cloudevents.event_subject": record.subject,
-        "azure.scheduled_event.change": data["change"],
-        "azure.scheduled_event.id": event.get("EventId", record.subject),
-        "azure.scheduled_event.type": event.get("EventType", ""),
-        "azure.scheduled_event.status": event.get("EventStatus", ""),
-        "azure.scheduled_event.incarnation": data.get("incarnation", 0),
-        "azure.scheduled_event.affects_this_vm": bool(data.get("affects_this_vm", False)),
-        "azure.scheduled_event.resources": list(event.get("Resources", [])),
-    }
-    optional = {"azure.scheduled_event.source": event.get("EventSource"),
-                "azure.scheduled_event.duration_seconds": event.get("DurationInSeconds"),
-                "azure.scheduled_event.not_before": data.get("not_before"),
-                "azure.scheduled_event.outcome": data.get("outcome"),
-                "azure.scheduled_event.previous_status": data.get("previous_status"),
-                "azure.scheduled_event.policy_rule": data.get("policy_rule"),
-                "azure.scheduled_event.dry_run": data.get("dry_run")}
-    attributes.update({key: value for key, value in optional.items() if value is not None})
-    return attributes
+    # IMDS's Resources as the document reads them: anything but a list is ignored (a null or a number here once
+    # failed every export of its batch, for ever)
+    resources = event.get("Resources")
+    return (body["id"], body["source"], body["type"], body["subject"], data["change"],
+            event.get("EventId", body["subject"]), event.get("EventType", ""), event.get("EventStatus", ""),
+            data.get("incarnation", 0), bool(data.get("affects_this_vm", False)),
+            list(resources) if isinstance(resources, list) else [],
+            event.get("EventSource"), event.get("DurationInSeconds"), data.get("not_before"), data.get("outcome"),
+            data.get("previous_status"), data.get("policy_rule"), data.get("dry_run"))
+
+
+def _attributes(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The log record's attributes, from the record's CloudEvent (`Record.to_dict()`)."""
+    return _ATTRIBUTES.mapping(_attribute_values(body))
 
 
 @functools.lru_cache(maxsize=256)  # the records of one poll share their time
@@ -135,17 +149,27 @@ _WARN, _INFO = SeverityNumber.WARN.value, SeverityNumber.INFO.value
 def _log_fields(record: Record) -> LogFields:
     """What one log record carries: timestamps, severity, event name, body (the whole CloudEvent) and
     attributes."""
-    data = record.data
+    return _fields(record.to_dict())
+
+
+def _fields(body: dict[str, Any], encoded: bool = False) -> LogFields:
+    """`_log_fields` of the record whose `to_dict()` is `body`; with `encoded`, the body's entries and the attributes
+    already written by their `Layout`s (for the gRPC request; `body` as `records.cloudevents` gives it, in the order
+    of CLOUDEVENT_KEYS)."""
+    data = body["data"]
     change = data["change"]
     warn = data["event"].get("EventStatus") == "Started" or change in ("removed", "approved")
-    nanos = _nanos(record.time)
+    nanos = _nanos(body["time"])
     return (nanos, nanos, _WARN if warn else _INFO, "WARN" if warn else "INFO", f"azure.scheduled_event.{change}",
-            record.to_dict(), _attributes(record))
+            KvlistBody(_BODY.encode(b"\x0a", tuple(body.values()))) if encoded else body,
+            _ATTRIBUTES.encode(b"\x32", _attribute_values(body)) if encoded else _attributes(body))
 
 
 def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
     """The SDK's log record for `fields` (the HTTP exporter encodes these itself)."""
     timestamp, observed, severity, severity_text, event_name, body, attributes = fields
+    if isinstance(attributes, bytes):
+        raise TypeError("the SDK's log record takes the attributes as a mapping, not encoded")
     log_record = LogRecord(timestamp=timestamp, observed_timestamp=observed,
                            severity_number=SeverityNumber(severity), severity_text=severity_text, body=body,
                            attributes=attributes, event_name=event_name)
@@ -160,6 +184,10 @@ class OtlpSink:
         check_header_variables(os.environ)
         self._endpoint = endpoint
         self._exporter: Any = self._new_exporter()
+        # Resources by a VM's items, and each Resource once: made once per VM, not once per batch (Resource.create
+        # reads the environment and runs the detectors).
+        self._resources: dict[tuple[tuple[str, Any], ...], Resource] = {}
+        self._canonical: dict[Resource, Resource] = {}
 
     def _new_exporter(self) -> Any:
         if self.protocol == "grpc":
@@ -176,30 +204,40 @@ class OtlpSink:
         if self.protocol == "grpc":
             self.close()
 
-    @staticmethod
-    def _by_resource(records: Sequence[Record]) -> dict[Resource, list[Record]]:
-        """The records grouped by the Resource of their VM, in order (as the SDK's encoder groups them)."""
-        by_vm: dict[tuple[tuple[str, Any], ...], list[Record]] = {}
-        ordered: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}  # sorted once per VM
-        for record in records:
-            items = tuple(record.data.get("vm", {}).items())
-            vm = ordered.get(items)
-            if vm is None:
-                vm = ordered[items] = tuple(sorted(items))
-            by_vm.setdefault(vm, []).append(record)
-        groups: dict[Resource, list[Record]] = {}
-        for vm, group in by_vm.items():
-            groups.setdefault(resource_for(dict(vm)), []).extend(group)
-        return groups
+    def _by_resource(self, bodies: Sequence[dict[str, Any]]) -> dict[Resource, list[dict[str, Any]]]:
+        """The records (as `Record.to_dict()`) grouped by the Resource of their VM, in order (as the SDK's encoder
+        groups them)."""
+        if len(self._resources) > 256:  # VMs come and go (fleet mode forwards many): keep the cache bounded
+            self._resources.clear()
+            self._canonical.clear()
+        groups: dict[int, tuple[Resource, list[dict[str, Any]]]] = {}  # by the Resource's id: its hash is costly
+        for body in bodies:
+            vm = tuple(body["data"].get("vm", {}).items())
+            try:
+                resource = self._resources.get(vm)
+            except TypeError:  # a value that cannot be a dict key: made afresh
+                resource = self._resource(vm)
+            if resource is None:
+                resource = self._resources[vm] = self._resource(vm)
+            group = groups.get(id(resource))
+            if group is None:
+                group = groups[id(resource)] = (resource, [])
+            group[1].append(body)
+        return dict(groups.values())
+
+    def _resource(self, vm: tuple[tuple[str, Any], ...]) -> Resource:
+        """The Resource of a VM; one object for all VMs with equal Resources (records are grouped by it)."""
+        resource = resource_for(dict(vm))
+        return self._canonical.setdefault(resource, resource)
 
     def encode(self, records: Sequence[Record]) -> Any:
         """The export of `records`, ready for `send_encoded`: over gRPC the request itself, over HTTP the
         SDK's log records (its exporter encodes them)."""
-        groups = self._by_resource(records)
+        groups = self._by_resource(cloudevents(records))
         if self.protocol == "grpc":
-            logs = ((resource, [_log_fields(record) for record in group]) for resource, group in groups.items())
+            logs = ((resource, [_fields(body, encoded=True) for body in group]) for resource, group in groups.items())
             return EncodedLogs(encode_request(logs, _SCOPE), len(records))
-        return [_readable(_log_fields(record), resource) for resource, group in groups.items() for record in group]
+        return [_readable(_fields(body), resource) for resource, group in groups.items() for body in group]
 
     def send_encoded(self, payload: Any) -> None:
         if self._exporter is None:

@@ -5,14 +5,18 @@ record, each through `isinstance` checks against the collection ABCs): a cProfil
 put 80% of the OTLP sink's time there. Here the whole request is written as protobuf wire bytes by a few
 lines of code (the messages of opentelemetry-proto's logs.proto and common.proto). A backlog's records
 repeat most of their keys and values (the VM, the event's type and status, its resources, the record's
-type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos).
-The result is the request the SDK would send for the same log records, byte for byte
-(tests/test_otlp_wire.py compares the two); the SDK's gRPC exporter still sends it, with its endpoint,
-headers, TLS, compression, retries and timeout, as bytes (`SerializedLogsStub`).
+type), so each key, and each entry with a string value, is encoded once and then reused (bounded memos);
+objects with the same keys in every record (the attributes, the body's top level) are written by a `Layout`,
+their ids one by one and the entries between them as remembered runs. The result is the request the SDK
+would send for the same log records, byte for byte (tests/test_otlp_wire.py compares the two); the SDK's gRPC
+exporter still sends it, with its endpoint, headers, TLS, compression, retries and timeout, as bytes
+(`SerializedLogsStub`).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,8 +25,9 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-#: One log record as the sink describes it: timestamps, severity, event name, body and attributes.
-LogFields = tuple[int, int, int, str, str, Any, Mapping[str, Any]]
+#: One log record as the sink describes it: timestamps, severity, event name, body and attributes (a mapping, or
+#: its KeyValues already encoded as field 6 of the log record, by a `Layout`).
+LogFields = tuple[int, int, int, str, str, Any, "Mapping[str, Any] | bytes"]
 
 _INT64 = 1 << 63
 
@@ -46,7 +51,11 @@ def _varint(value: int) -> bytes:
 
 def _length_delimited(tag: bytes, payload: bytes) -> bytes:
     size = len(payload)
-    return tag + (_SMALL[size] if size < 128 else _varint(size)) + payload
+    if size < 128:
+        return tag + _SMALL[size] + payload
+    if size < 16384:  # a nested object, a log record's body or the log record
+        return b"".join((tag, bytes(((size & 0x7F) | 0x80, size >> 7)), payload))
+    return tag + _varint(size) + payload
 
 
 def _string(tag: bytes, text: str) -> bytes:
@@ -123,11 +132,11 @@ def _key(key: str) -> bytes:
     return encoded
 
 
-#: Per container tag, entries already encoded: by (key, value) for a string value, by (key, value, type) for an
-#: int or a bool (True == 1), by (key, tuple, list) for a list of strings. A backlog's records mostly repeat
-#: these from one record to the next (the VM, the event's type and status, its resources and description, the
-#: record's type). Each memo is cleared when full: the values seen once (ids, times) fill it, the repeated ones
-#: come right back.
+#: Per container tag, entries already encoded: by their (key, value) item for a string or an int (neither equals a
+#: value of the other type), by (key, value, bool) for a bool (True == 1), by (key, tuple, list) for a list of
+#: strings. A backlog's records mostly repeat these from one record to the next (the VM, the
+#: event's type and status, its resources and description, the record's type). Each memo is cleared when full:
+#: the values seen once (ids, times) fill it, the repeated ones come right back.
 _ENTRIES: dict[bytes, dict[tuple[Any, ...], bytes]] = {}
 _MAX_ENTRIES = 4096
 #: Lists of strings up to this long are remembered whole (an event's resources).
@@ -146,13 +155,13 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
     for item in mapping.items():
         value = item[1]
         kind = type(value)
-        if kind is str:  # most entries, and most of them seen before: one lookup by the (key, value) item itself
+        if kind is str or kind is int:  # most entries, most of them seen before: one lookup by the item itself
             entry = memo.get(item)
             if entry is None:
                 entry = _remember(memo, item, tag, item[0], value)
         elif kind is dict:
             entry = _nested(tag, item[0], value)
-        elif kind is int or kind is bool:
+        elif kind is bool:
             memo_key = (item[0], value, kind)
             entry = memo.get(memo_key)
             if entry is None:
@@ -170,15 +179,26 @@ def _entries(tag: bytes, mapping: Mapping[Any, Any]) -> bytes:
 
 def _entry(tag: bytes, key: Any, value: Any) -> bytes:
     """A KeyValue as field `tag` of its container, encoded afresh."""
-    key_field = _key(key if type(key) is str else str(key))
+    key_field = _KEYS.get(key) or _key(key if type(key) is str else str(key))
     if type(value) is str:  # written out: the commonest entry not seen before (an id, a time)
-        text = value.encode()
-        size = len(text)
-        pair_size = len(key_field) + size + 4
+        return _string_entry(tag, key_field, value)
+    if type(value) is int:  # the next commonest (an incarnation): an AnyValue of at most 11 bytes
+        encoded = _int(value)
+        pair_size = len(key_field) + len(encoded) + 2
         if pair_size < 128:
-            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+            return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[len(encoded)], encoded))
     pair = key_field + _length_delimited(b"\x12", any_value(value))
     return _length_delimited(tag, pair)
+
+
+def _string_entry(tag: bytes, key_field: bytes, value: str) -> bytes:
+    """A KeyValue with a string value as field `tag` of its container, its key field given."""
+    text = value.encode()
+    size = len(text)
+    pair_size = len(key_field) + size + 4
+    if pair_size < 128:
+        return b"".join((tag, _SMALL[pair_size], key_field, b"\x12", _SMALL[size + 2], b"\x0a", _SMALL[size], text))
+    return _length_delimited(tag, key_field + _length_delimited(b"\x12", _length_delimited(b"\x0a", text)))
 
 
 def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag: bytes, key: Any,
@@ -192,16 +212,18 @@ def _remember(memo: dict[tuple[Any, ...], bytes], memo_key: tuple[Any, ...], tag
     return entry
 
 
-#: Per (container tag, key), whether that key's object held only strings when last seen (a record's VM does):
-#: such an object is remembered whole, by its items.
+#: Per (container tag, key), whether that key's object held only strings when first seen (a record's VM does):
+#: such an object is remembered whole, by its items. A key whose object held anything else once (a record's data,
+#: an event) is not looked at again.
 _FLAT: dict[tuple[bytes, str], bool] = {}
 
 
 def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
     """A KeyValue whose value is a kvlist (a nested object)."""
-    memo = _ENTRIES[tag]
+    flat = _FLAT.get((tag, key)) if type(key) is str else False
     whole: tuple[Any, ...] | None = None
-    if type(key) is str and _FLAT.get((tag, key)):
+    if flat:
+        memo = _ENTRIES[tag]
         whole = (key, tuple(value.items()), dict)
         try:
             entry = memo.get(whole)
@@ -210,19 +232,22 @@ def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
         if entry is not None:
             return entry
     inner = _entries(b"\x0a", value)
+    # written in one piece (the sizes added up), not copied once per level
     size = len(inner)
-    any_value = b"\x32" + (_SMALL[size] if size < 128 else _varint(size)) + inner
-    size = len(any_value)
-    pair = _key(key if type(key) is str else str(key)) + b"\x12" + (_SMALL[size] if size < 128 else _varint(size)) \
-        + any_value
-    size = len(pair)
-    entry = tag + (_SMALL[size] if size < 128 else _varint(size)) + pair
-    if type(key) is str:
-        # only objects of string keys and string values are remembered: no other value can equal theirs (True == 1)
+    inner_size = _SMALL[size] if size < 128 else _varint(size)
+    size += 1 + len(inner_size)  # the AnyValue: kvlist 6
+    value_size = _SMALL[size] if size < 128 else _varint(size)
+    key_field = _key(key if type(key) is str else str(key))
+    size += len(key_field) + 1 + len(value_size)  # the KeyValue: key 1, value 2
+    entry = b"".join((tag, _SMALL[size] if size < 128 else _varint(size), key_field, b"\x12", value_size, b"\x32",
+                      inner_size, inner))
+    if flat is not False:  # seen for the first time, or flat so far: only objects of string keys and values are
+        # remembered, no other value can equal theirs (True == 1)
         flat = len(value) <= _MAX_MEMO_LIST and all(type(k) is str and type(v) is str for k, v in value.items())
         if len(_FLAT) < _MAX_KEYS or (tag, key) in _FLAT:
             _FLAT[(tag, key)] = flat
         if flat:
+            memo = _ENTRIES[tag]
             if len(memo) >= _MAX_ENTRIES:
                 memo.clear()
             memo[whole or (key, tuple(value.items()), dict)] = entry
@@ -231,6 +256,80 @@ def _nested(tag: bytes, key: Any, value: Mapping[Any, Any]) -> bytes:
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     return _entries(tag, attributes) if attributes else b""
+
+
+def _one(tag: bytes, key: str, value: Any) -> bytes:
+    """The KeyValue `_entries` writes for one entry."""
+    if type(value) is dict:
+        return _nested(tag, key, value)
+    memo = _ENTRIES.get(tag)
+    if memo is not None:
+        if type(value) is str or type(value) is int:
+            item = (key, value)
+            return memo.get(item) or _remember(memo, item, tag, key, value)
+        if type(value) is list and len(value) <= _MAX_MEMO_LIST and all(type(element) is str for element in value):
+            memo_key = (key, tuple(value), list)
+            return memo.get(memo_key) or _remember(memo, memo_key, tag, key, value)
+    return _entries(tag, {key: value})
+
+
+class Layout:
+    """Objects with the same keys in the same order in every log record (the OTLP sink's attributes, its body),
+    given as the tuple of their values and encoded as `_entries` encodes the mapping of the same entries, with
+    less work: the entries at `holes` (values that differ in every record: ids) one by one, the runs of entries
+    between them together, remembered by their values and the values' types (True == 1 == 1.0, but not with their
+    types; 0.0 == -0.0 even with them, so with a float among them the object is encoded entry by entry). The last
+    `optional` keys are left out when their value is None."""
+
+    def __init__(self, keys: Sequence[str], optional: int, holes: Iterable[str]) -> None:
+        self.keys = tuple(keys)
+        self._required = len(self.keys) - optional
+        self._holes = tuple(self.keys.index(key) for key in holes)
+        if list(self._holes) != sorted(self._holes) or max(self._holes) >= self._required:
+            raise ValueError("holes must be required keys, in order")
+        stable = [i for i in range(len(self.keys)) if i not in self._holes]
+        self._stable = operator.itemgetter(*stable)
+        self._key_fields = tuple(_key(key) for key in self.keys)
+        self._memo: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
+
+    def mapping(self, values: Sequence[Any]) -> dict[str, Any]:
+        """The object as a mapping (what the SDK is given)."""
+        return {key: value for index, (key, value) in enumerate(zip(self.keys, values, strict=True))
+                if value is not None or index < self._required}
+
+    def encode(self, tag: bytes, values: tuple[Any, ...]) -> bytes:
+        """The object's KeyValues, each as field `tag` of its container."""
+        stable = self._stable(values)
+        types = tuple(map(type, stable))
+        if float in types:  # 0.0 == -0.0, and they hash alike, but their bytes differ
+            return _entries(tag, self.mapping(values))
+        try:
+            memo_key = (stable, types)
+            between = self._memo.get(memo_key)
+        except TypeError:  # a list or an object between the holes: no key for it
+            return _entries(tag, self.mapping(values))
+        if between is None:
+            between = self._memo[memo_key] = self._between(tag, values)
+        parts = [between[0]]
+        append = parts.append
+        keys = self.keys
+        for run, hole in enumerate(self._holes, 1):
+            value = values[hole]
+            if type(value) is str:  # an id: seen once, not remembered
+                append(_string_entry(tag, self._key_fields[hole], value))
+            else:
+                append(_one(tag, keys[hole], value))
+            append(between[run])
+        return b"".join(parts)
+
+    def _between(self, tag: bytes, values: tuple[Any, ...]) -> tuple[bytes, ...]:
+        """The encoded runs of entries before, between and after the holes."""
+        if len(self._memo) >= _MAX_ENTRIES:
+            self._memo.clear()
+        bounds = (-1, *self._holes, len(self.keys))
+        return tuple(_entries(tag, {self.keys[i]: values[i] for i in range(start + 1, end)
+                                    if values[i] is not None or i < self._required})
+                     for start, end in itertools.pairwise(bounds))
 
 
 #: The strings of a log record that come from a handful (severity texts, event names), already encoded.
@@ -250,12 +349,20 @@ def _log_record(fields: LogFields) -> bytes:
     """A LogRecord: time 1, severity number 2 and text 3, body 5, attributes 6, observed time 11,
     event name 12 (no trace context, nothing dropped)."""
     timestamp, observed, severity, severity_text, event_name, body, attributes = fields
+    if type(body) is KvlistBody:  # its AnyValue (kvlist 6) written in one piece with the rest
+        size = len(body.entries)
+        entries_size = _SMALL[size] if size < 128 else _varint(size)
+        size += 1 + len(entries_size)
+        body_field: tuple[bytes, ...] = (b"\x2a", _SMALL[size] if size < 128 else _varint(size), b"\x32", entries_size,
+                                         body.entries)
+    else:
+        body_field = (_length_delimited(b"\x2a", any_value(body)),)
     return b"".join((
         b"\x09" + struct.pack("<Q", timestamp) if timestamp else b"",
         b"\x10" + _varint(severity) if severity else b"",
         _field(b"\x1a", severity_text) if severity_text else b"",
-        _length_delimited(b"\x2a", any_value(body)),
-        _attributes(b"\x32", attributes),
+        *body_field,
+        attributes if isinstance(attributes, bytes) else _attributes(b"\x32", attributes),
         b"\x59" + struct.pack("<Q", observed) if observed else b"",
         _field(b"\x62", event_name) if event_name else b"",
     ))
@@ -280,6 +387,15 @@ def encode_request(groups: Iterable[tuple[Resource, Sequence[LogFields]]], scope
                                        _length_delimited(b"\x12", scope_logs),
                                        _string(b"\x1a", resource.schema_url) if resource.schema_url else b"")))
     return b"".join([_length_delimited(b"\x0a", r) for r in resource_logs])
+
+
+class KvlistBody:
+    """A log record's body that is an object, its entries already encoded (by a `Layout`)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: bytes) -> None:
+        self.entries = entries
 
 
 class EncodedLogs:
