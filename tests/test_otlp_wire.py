@@ -275,3 +275,37 @@ def test_resources_that_are_not_a_list_are_an_empty_list_not_a_failed_export() -
         (log,) = parsed.resource_logs[0].scope_logs[0].log_records
         (attribute,) = [a for a in log.attributes if a.key == "azure.scheduled_event.resources"]
         assert attribute.value.HasField("array_value") and not attribute.value.array_value.values
+
+
+def test_the_deepest_document_imds_may_send_gives_a_request_protobuf_reads_with_its_default_limits() -> None:
+    """The SDK refuses values nested beyond protobuf's recursion limit (100 messages, about 33 levels of objects),
+    and a receiver would refuse such a request, failing its whole batch for ever. A record's event comes from a
+    reply that `decode_reply` bounded (MAX_DEPTH levels, the document's own two included), so the deepest event
+    IMDS may send must still make a request that a parser with the default limits reads."""
+    import json
+
+    from forewarn.imds.reply import MAX_DEPTH, ReplyError, decode_reply
+
+    def reply(depth: int) -> bytes:
+        nested: Any = "leaf"
+        for _ in range(depth):
+            nested = {"k": nested}
+        return json.dumps({"DocumentIncarnation": 1, "Events": [{
+            "EventId": "E", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
+            "EventStatus": "Scheduled", "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Description": "",
+            "EventSource": "Platform", "DurationInSeconds": 9, "Nested": nested}]}).encode()
+
+    deepest = max(depth for depth in range(40) if _decodes(reply(depth), decode_reply, ReplyError))
+    assert deepest == MAX_DEPTH - 3  # the document, its Events, the event: the rest is the event's to nest
+    (change,) = diff_documents(None, parse_document(decode_reply(reply(deepest))[0]))
+    records = list(JsonRecords([to_record(change, VMS[0], AT).to_json()]))
+    request = ExportLogsServiceRequest.FromString(grpc_request(records))
+    assert request.resource_logs[0].scope_logs[0].log_records[0].body.kvlist_value.values
+
+
+def _decodes(data: bytes, decode: Any, error: type[Exception]) -> bool:
+    try:
+        decode(data)
+    except error:
+        return False
+    return True
