@@ -250,3 +250,37 @@ def test_a_drain_killed_mid_way_loses_nothing_and_repeats_only_with_the_same_ids
     ids = [json.loads(line)["id"] for line in lines]
     assert list(dict.fromkeys(ids)) == [r.id for r in written], "everything, first deliveries in order"
     assert len(ids) - count <= batch, "at most the batch in flight is repeated"
+
+
+class Resting(Flaky):
+    """A sink that counts the times it is told that nothing came for a while."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=10, refuse=set())
+        self.idles = 0
+
+    def idle(self) -> None:
+        self.idles += 1
+
+
+def test_an_idle_worker_rests_until_records_come_and_then_delivers_them_at_once(tmp_path: Path) -> None:
+    """After a quiet spell the sink is told once that it is idle; then the worker sleeps (it no longer reads the
+    outbox again every spell) until an append wakes it, and delivers at once."""
+    sink = Resting()
+    outbox = Outbox(tmp_path, [sink.name])
+    report = Report()
+    worker = DeliveryWorker(sink, outbox, report, idle_refresh=0.1)
+    worker.start()
+    try:
+        wait_until(lambda: sink.idles == 1)
+        reads = len(report.backlogs)
+        time.sleep(1.0)  # ten quiet spells
+        assert sink.idles == 1 and len(report.backlogs) == reads, "the worker woke while nothing came"
+        outbox.append([record(1)])
+        started = time.monotonic()
+        wait_until(lambda: sink.received == ["id-1"])
+        assert time.monotonic() - started < 0.5
+        wait_until(lambda: sink.idles == 2)  # quiet again after the delivery: told once more
+    finally:
+        worker.stop(drain_timeout=1)
+        outbox.close()
