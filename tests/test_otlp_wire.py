@@ -50,6 +50,15 @@ def sdk_request(sink: OtlpSink, records: list[Record]) -> Any:
                         for body in group])
 
 
+def sdk_bytes(records: list[Record]) -> bytes:
+    """The SDK's request for `records`, serialised, from a sink opened for it."""
+    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
+    try:
+        return bytes(sdk_request(sink, records).SerializeToString())
+    finally:
+        sink.close()
+
+
 def test_the_request_is_the_sdks_request_byte_for_byte() -> None:
     sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
     try:
@@ -164,11 +173,7 @@ def test_the_grpc_sinks_request_is_the_sdks_request_byte_for_byte() -> None:
     """What the sink sends over gRPC (bodies and attributes laid out, resources cached per VM), twice so that the
     memos answer, is the SDK's request for the same records."""
     records = sample_records()
-    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
-    try:
-        theirs = sdk_request(sink, records).SerializeToString()
-    finally:
-        sink.close()
+    theirs = sdk_bytes(records)
     assert grpc_request(records) == theirs
     assert grpc_request(records) == theirs
     assert grpc_request(records[::-1]) == dict_path_request(records[::-1])
@@ -243,11 +248,7 @@ def test_hostile_records_the_sdk_takes_encode_as_the_sdk_encodes_them() -> None:
                       "EventSource": float("nan"), "Resources": [True, 1, 1.0, "1", float("-inf")],
                       "Description": "\x00\u00e9\u2603" * 1000, "Nested": _nest(12)}}
     records = [Record(id=base.id, source=base.source, type=base.type, subject="\u2603", time=base.time, data=data)]
-    sink = OtlpSink(endpoint="http://127.0.0.1:9", protocol="http/protobuf")
-    try:
-        theirs = sdk_request(sink, records).SerializeToString()
-    finally:
-        sink.close()
+    theirs = sdk_bytes(records)
     assert grpc_request(records) == theirs
     assert grpc_request(records) == theirs
 
