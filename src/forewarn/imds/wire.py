@@ -260,17 +260,11 @@ class PreparedGet(Wire):
                 data = raw.recv(READ_SIZE)
             except sock.again:
                 data = sock.recv(READ_SIZE)
-            if not data:
-                raise ProtocolError("the connection closed before the reply was complete")
+            known = self._compare(data)
         except BaseException:
             self.close()
             raise
-        key = _without_date(data)
-        if key == same[0]:
-            return same[1]
-        self._buffer += data
-        self._key = key
-        return self._reply(limit)
+        return known if known is not None else self._reply(limit)
 
     def _known_reply(self, sock: DeadlineSocket) -> Reply | None:
         """The reply's first read, compared with the last reply that came whole (but for its Date line): the
@@ -278,7 +272,11 @@ class PreparedGet(Wire):
         self._key = None
         if self._buffer:
             return None
-        data = sock.recv(READ_SIZE)
+        return self._compare(sock.recv(READ_SIZE))
+
+    def _compare(self, data: bytes) -> Reply | None:
+        """The remembered reply when `data`, a reply's first read, is its bytes but for the Date line; else
+        None, with `data` kept to be read on from."""
         if not data:
             raise ProtocolError("the connection closed before the reply was complete")
         key = _without_date(data)

@@ -166,16 +166,9 @@ class Family:
         """A sample of a series written by `series`."""
         self.add_samples(((series, value),))
 
-    def add_samples(self, samples: Iterable[tuple[str, float]], decimals: int | None = None) -> None:
-        """Samples of series written by `series`, as (series, value). With `decimals`, finite values written
-        to that many decimals: three times faster than the shortest exact form, for values where more
-        digits mean nothing (a countdown in seconds)."""
-        if decimals is None:
-            self._lines.extend([f"{series}{number(value)}\n" for series, value in samples])
-        else:
-            fixed = f"%s%.{decimals}f\n"  # made once: a format spec nested in an f-string is made per sample
-            self._lines.extend([fixed % (series, value) if math.isfinite(value) else
-                                f"{series}{number(value)}\n" for series, value in samples])
+    def add_samples(self, samples: Iterable[tuple[str, float]]) -> None:
+        """Samples of series written by `series`, as (series, value)."""
+        self._lines.extend([f"{series}{number(value)}\n" for series, value in samples])
         if len(self._lines) >= self._CHUNK:
             self._chunks.append("".join(self._lines))
             self._lines.clear()
@@ -283,7 +276,7 @@ class _Metric:
         self._children: dict[tuple[str, ...], object] = {}
         self._lock = threading.Lock()
         self._single = None if labelnames else self._child(())
-        self._headers = {om: _header(name, self.kind, documentation, om) for om in (False, True)}
+        self._header = Header(name, documentation, self.kind)
         self._last: tuple[list[object], str] = ([], "")  # the states of the series at the last write, its text
         if registry is not None:
             registry.register(self)
@@ -311,7 +304,7 @@ class _Metric:
     def write(self, out: list[str], openmetrics: bool) -> None:
         """The header, then the series. Most scrapes find every value as the last one did (counters move
         rarely), and then reuse that text instead of formatting each number again."""
-        out.append(self._headers[openmetrics])
+        out.append(self._header.text(openmetrics))
         children = list(self._children.values())
         states = self._states(children)
         with self._lock:
@@ -325,7 +318,6 @@ class _Metric:
         with self._lock:
             self._last = (states, text)
         out.append(text)
-
 
     def _states(self, children: list[object]) -> list[object]:
         return [child.state() for child in children]  # type: ignore[attr-defined]

@@ -290,8 +290,8 @@ class LiveFamilies:
                            if event.not_before is not None)
             self._countdown = (view.document, series)
         out.append(self._COUNTDOWN.text(openmetrics))
-        # To the millisecond: it is written at every scrape, and more digits would tell nothing. Always
-        # finite: NotBefore and the clock are both datetimes' timestamps.
+        # To the millisecond: it is written at every scrape, and more digits would tell nothing. Always finite:
+        # NotBefore is a datetime's timestamp and the clock a Unix time.
         out.extend([f"{text}{not_before - now:.3f}\n" for text, not_before in series])
         out.append(self._INCARNATION.text(openmetrics))
         if view.document is not None:

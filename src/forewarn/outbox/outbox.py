@@ -161,9 +161,8 @@ class Outbox:
         """What waits for `sink`: how many records, and when the oldest was appended."""
         return self._store.backlog(sink)
 
-    def wait(self, sink: str, timeout: float | None) -> bool:
-        """Wait up to `timeout` seconds (None: as long as it takes) for records appended for `sink` (or `wake`);
-        False on timeout."""
+    def wait(self, sink: str, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for records appended for `sink` (or `wake`); False on timeout."""
         event = self._wakes.setdefault(sink, threading.Event())
         woke = event.wait(timeout)
         event.clear()
