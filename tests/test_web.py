@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -508,3 +509,122 @@ def test_every_answer_carries_date_and_server(serve: Callable[..., HttpServer]) 
     fields = dict(line.split(": ", 1) for line in head.split("\r\n")[1:])
     assert fields["Server"].startswith("forewarn Python/")
     assert abs(parsedate_to_datetime(fields["Date"]).timestamp() - time.time()) < 5
+
+
+# --- inline routes: answered by the acceptor itself, never held up by a client -----------------------
+
+def _where(request: Request) -> Response:
+    """Answers with the name of the thread that ran it: the acceptor's is the server's name."""
+    return Response(200, threading.current_thread().name.encode())
+
+
+def test_an_inline_route_is_answered_by_the_acceptor_and_the_others_by_a_worker(
+        serve: Callable[..., HttpServer]) -> None:
+    def setup(web: HttpServer) -> None:
+        web.route("/here", _where, inline=True)
+        web.route("/pool", _where)
+        web.route("/tree/", _where, prefix=True, inline=True)  # a prefix is never inline
+
+    web = serve(setup=setup, name="web")
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(web), timeout=5)
+    answered_by = []
+    for path in ("/here", "/here?x=1", "/pool", "/tree/leaf", "/here"):
+        conn.request("GET", path)
+        answered_by.append(conn.getresponse().read().decode())
+    conn.close()
+    assert answered_by[:2] == ["web", "web"] and answered_by[4] == "web"
+    assert answered_by[2].startswith("web-") and answered_by[3].startswith("web-")
+
+
+def test_a_route_that_checks_a_password_is_not_inline_and_a_public_one_is(
+        serve: Callable[..., HttpServer], tmp_path: Path) -> None:
+    """A bcrypt may take a quarter of a second: the acceptor must not pay it."""
+    import base64
+
+    import bcrypt
+
+    from forewarn.web.config import WebGate
+
+    config = tmp_path / "web.yml"
+    config.write_text("basic_auth_users:\n  prometheus: "
+                      + bcrypt.hashpw(b"secret", bcrypt.gensalt(4)).decode() + "\n")
+
+    def setup(web: HttpServer) -> None:
+        web.route("/here", _where, inline=True)
+        web.route("/probe", _where, inline=True, public=True)
+
+    web = serve(setup=setup, name="web", gate=WebGate(config))
+    auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:secret").decode()}
+    assert requests.get(web.url + "/here", timeout=5).status_code == 401
+    checked = requests.get(web.url + "/here", headers=auth, timeout=5)
+    assert checked.status_code == 200 and checked.text.startswith("web-")
+    assert requests.get(web.url + "/probe", timeout=5).text == "web"
+
+
+def test_a_client_that_does_not_read_inline_replies_does_not_hold_the_acceptor(
+        serve: Callable[..., HttpServer]) -> None:
+    """The part of a reply the kernel does not take at once is sent by a worker; meanwhile the acceptor
+    answers other clients, and the reader that comes back late gets every byte, in order."""
+    body = bytes(range(256)) * 800  # 200 kB, under SEPARATE_BODY_BYTES: one write with its head
+    count = 40  # 8 MB pipelined: more than loopback's socket buffers take unread (about 3 MB here)
+    web = serve(setup=lambda web: (web.route("/big", lambda request: Response(200, body), inline=True),
+                                   web.route("/here", _where, inline=True)), name="web")
+    with connect(port_of(web), timeout=5) as stuck:
+        stuck.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * count
+                      + b"GET /here HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        time.sleep(0.3)
+        for _ in range(3):  # the acceptor answers other connections while /big waits for its reader
+            started = time.monotonic()
+            reply = requests.get(web.url + "/here", timeout=5)
+            assert reply.text == "web" and time.monotonic() - started < 1.0
+        rest = read_until_closed(stuck)
+    for _ in range(count):
+        head, _, rest = rest.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and f"Content-Length: {len(body)}".encode() in head
+        assert rest[:len(body)] == body
+        rest = rest[len(body):]
+    head, _, last = rest.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and last == b"web", "the request after them, answered inline again"
+
+
+def test_many_pipelined_inline_requests_are_all_answered_in_order(serve: Callable[..., HttpServer]) -> None:
+    web = serve(setup=lambda web: web.route("/n", lambda request: Response(200, request.query("i").encode()),
+                                             inline=True))
+    count = 3000  # more than the interpreter's recursion limit: they are taken in a loop
+    requests_bytes = b"".join(b"GET /n?i=%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(count))
+    with connect(port_of(web), timeout=10) as sock:
+        sender = threading.Thread(target=sock.sendall, args=(requests_bytes + b"GET /n?i=end HTTP/1.1\r\n"
+                                                             b"Host: x\r\nConnection: close\r\n\r\n",))
+        sender.start()
+        replies = read_until_closed(sock)
+        sender.join(10)
+    bodies = [part.split(b"\r\n\r\n", 1)[1] for part in replies.split(b"HTTP/1.1 ")[1:]]
+    assert bodies == [str(i).encode() for i in range(count)] + [b"end"]
+
+
+def test_an_inline_handler_that_fails_gets_500_and_the_connection_goes_on(serve: Callable[..., HttpServer]) -> None:
+    def broken(request: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    web = serve(setup=lambda web: (web.route("/broken", broken, inline=True),
+                                   web.route("/here", _where, inline=True)), name="web")
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(web), timeout=5)
+    conn.request("GET", "/broken")
+    response = conn.getresponse()
+    assert (response.status, response.read()) == (500, b"internal server error\n")
+    conn.request("GET", "/here")
+    assert conn.getresponse().read() == b"web"
+    conn.close()
+
+
+def test_a_kept_alive_connection_after_an_inline_answer_times_out_from_that_answer(
+        serve: Callable[..., HttpServer]) -> None:
+    web = serve(setup=lambda web: web.route("/here", _where, inline=True), read_timeout=0.6)
+    with connect(port_of(web), timeout=5) as sock:
+        time.sleep(0.4)
+        sock.sendall(b"GET /here HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+        answered = time.monotonic()
+        assert not wait_readable(sock, 0.4), "the deadline starts again at the answer, not at the connect"
+        assert read_until_closed(sock) == b""
+        assert 0.5 <= time.monotonic() - answered < 3.0

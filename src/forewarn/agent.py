@@ -72,7 +72,8 @@ def run_agent(settings: Settings) -> int:
 
     server = web_server(settings, gate)
     add_metrics_endpoints(server, exposition(metrics.render),
-                          readiness_check(lambda: metrics.views.view.last_success, settings.ready_window))
+                          readiness_check(lambda: metrics.views.view.last_success, settings.ready_window),
+                          inline_metrics=True)
     add_lb_probe(server, lambda: metrics.views.view,
                  DrainPolicy(settings.probe_lb_lead_time, settings.probe_lb_freeze_threshold))
 
