@@ -273,3 +273,32 @@ def test_scrapes_that_arrive_together_share_a_rendering_that_began_after_them() 
     # each content type is rendered on its own
     text, content_type = metrics.render(OPENMETRICS)
     assert text.endswith(b"# EOF\n") and content_type.startswith("application/openmetrics-text")
+
+
+def test_the_countdown_is_written_to_the_millisecond_ahead_behind_and_for_a_fractional_not_before() -> None:
+    """Whole-second NotBefores (as IMDS writes them) take an integer path; the text is the difference
+    rounded to the millisecond either way."""
+    name = "azure_scheduled_event_seconds_to_not_before"
+    whole = parse_document({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "ahead", "EventType": "Reboot", "EventStatus": "Scheduled",
+         "NotBefore": "Thu, 01 Jan 1970 00:16:40 GMT"},  # 1000
+        {"EventId": "behind", "EventType": "Freeze", "EventStatus": "Scheduled",
+         "NotBefore": "Thu, 01 Jan 1970 00:00:10 GMT"}]})  # 10
+    fractional = parse_document({"DocumentIncarnation": 2, "Events": [
+        {"EventId": "ahead", "EventType": "Reboot", "EventStatus": "Scheduled",
+         "NotBefore": "1970-01-01T00:16:40.25Z"},
+        {"EventId": "behind", "EventType": "Freeze", "EventStatus": "Scheduled",
+         "NotBefore": "Thu, 01 Jan 1970 00:00:10 GMT"}]})
+    now = [0.0]
+    metrics = Metrics(clock=lambda: now[0])
+    # Every millisecond of a second (off the half-millisecond, where rounding a float's binary value may go
+    # either way), and whole seconds on both sides of NotBefore.
+    clocks = [500 + k / 1000 + 0.0002 for k in range(1000)] + [999.0, 1000.0, 1001.0, 1000.9998, 9.9998, 1000.3002,
+                                                                  10.5002]
+    for document, ahead in ((whole, 1000.0), (fractional, 1000.25)):
+        metrics.views.document_seen(document, 1.0)
+        for clock in clocks:
+            now[0] = clock
+            lines = {line.split('"', 2)[1]: line.rsplit(" ", 1)[1]
+                     for line in metrics.render()[0].decode().splitlines() if line.startswith(name + "{")}
+            assert lines == {"ahead": f"{ahead - clock:.3f}", "behind": f"{10 - clock:.3f}"}, clock

@@ -565,7 +565,7 @@ def test_a_client_that_does_not_read_inline_replies_does_not_hold_the_acceptor(
         serve: Callable[..., HttpServer]) -> None:
     """The part of a reply the kernel does not take at once is sent by a worker; meanwhile the acceptor
     answers other clients, and the reader that comes back late gets every byte, in order."""
-    body = bytes(range(256)) * 800  # 200 kB, under SEPARATE_BODY_BYTES: one write with its head
+    body = bytes(range(256)) * 800  # 200 kB: written with its head in one sendmsg
     count = 40  # 8 MB pipelined: more than loopback's socket buffers take unread (about 3 MB here)
     web = serve(setup=lambda web: (web.route("/big", lambda request: Response(200, body), inline=True),
                                    web.route("/here", _where, inline=True)), name="web")

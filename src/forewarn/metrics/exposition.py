@@ -268,9 +268,11 @@ class LiveFamilies:
     def __init__(self, views: ViewHolder, api_version: str, clock: Callable[[], float]) -> None:
         self._views = views
         self._clock = clock
-        #: The countdown's series (text up to the value, NotBefore) for the document they were written for:
-        #: only the values change from one scrape to the next.
-        self._countdown: tuple[Document | None, tuple[tuple[str, float], ...]] = (None, ())
+        #: The countdown's series (text up to the value, NotBefore) for the document they were written for,
+        #: and NotBefore in whole seconds when every one is (as IMDS writes it): only the values change from
+        #: one scrape to the next.
+        self._countdown: tuple[Document | None, tuple[tuple[str, float], ...], tuple[tuple[str, int], ...] | None] \
+            = (None, (), None)
         self._sinks: dict[str, tuple[str, str]] = {}  # sink -> its series of the two outbox families
         build = self._BUILD.name + LabelSet(["version", "api_version"]).text([__version__, api_version])
         self._build_sample = f"{build} {number(1)}\n"
@@ -281,18 +283,28 @@ class LiveFamilies:
     def write(self, out: list[str], openmetrics: bool) -> None:
         view = self._views.view
         now = self._clock()
-        document, series = self._countdown
+        document, series, seconds = self._countdown
         if document is not view.document:
             name = self._COUNTDOWN.name
             series = tuple((f"{name}{self._COUNTDOWN_LABELS.text([event.event_id, event.event_type])} ",
                             event.not_before.timestamp())
                            for event in (view.document.events if view.document else ())
                            if event.not_before is not None)
-            self._countdown = (view.document, series)
+            seconds = tuple((text, int(at)) for text, at in series) if all(
+                at.is_integer() for _, at in series) else None
+            self._countdown = (view.document, series, seconds)
         out.append(self._COUNTDOWN.text(openmetrics))
         # To the millisecond: it is written at every scrape, and more digits would tell nothing. Always finite:
         # NotBefore is a datetime's timestamp and the clock a Unix time.
-        out.extend([f"{text}{not_before - now:.3f}\n" for text, not_before in series])
+        if seconds is None:
+            out.extend([f"{text}{not_before - now:.3f}\n" for text, not_before in series])
+        else:
+            # Whole seconds from NotBefore and the same milliseconds for all: the fraction is formatted once,
+            # and each series writes an integer (a float's formatting was 40% of a 100-event render).
+            whole, ms = divmod(round(now * 1000), 1000)
+            ahead, behind, borrow = f".{(1000 - ms) % 1000:03d}\n", f".{ms:03d}\n", 1 if ms else 0
+            out.extend([f"{text}{at - whole - borrow}{ahead}" if at > whole or not ms else
+                        f"{text}-{whole - at}{behind}" for text, at in seconds])
         out.append(self._INCARNATION.text(openmetrics))
         if view.document is not None:
             out.append(f"{self._INCARNATION.name} {number(view.document.incarnation)}\n")
