@@ -18,7 +18,18 @@ from prometheus_client.openmetrics.exposition import generate_latest as client_o
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from forewarn.metrics.core import OPENMETRICS, TEXT, Counter, Family, Gauge, Histogram, Registry, negotiate, number
+from forewarn.metrics.core import (
+    OPENMETRICS,
+    TEXT,
+    Counter,
+    Family,
+    Gauge,
+    GaugeChild,
+    Histogram,
+    Registry,
+    negotiate,
+    number,
+)
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # forewarn writes no _created series
 
@@ -122,6 +133,57 @@ def test_a_scrape_after_a_change_shows_the_change() -> None:
     assert registry.get_sample_value("h_seconds_count") == 5
     gauge.labels("b")
     assert registry.get_sample_value("g", {"k": "b"}) == 0
+
+
+def test_scrapes_racing_with_changes_never_keep_a_stale_text() -> None:
+    """Each scrape reuses a metric's text only when no series changed since it was written: with changes
+    made from other threads while scrapes run, the scrape after the last change shows every one of them."""
+    registry = Registry()
+    counter = Counter("hits_total", "Hits.", ["who"], registry=registry)
+    histogram = Histogram("wait_seconds", "Waits.", registry=registry, buckets=(1,))
+
+    def hit(who: str) -> None:
+        for _ in range(20000):
+            counter.labels(who).inc()
+            histogram.observe(0.5)
+
+    threads = [threading.Thread(target=hit, args=(who,)) for who in ("a", "b", "c")]
+    for thread in threads:
+        thread.start()
+    scrapes = 0
+    while any(thread.is_alive() for thread in threads):
+        registry.render()
+        scrapes += 1
+    assert scrapes > 1
+    text = registry.render().decode()
+    for who in ("a", "b", "c"):
+        assert registry.get_sample_value("hits_total", {"who": who}) == 20000
+    assert 'wait_seconds_bucket{le="1.0"} 60000' in text and "wait_seconds_count 60000" in text
+
+
+def test_a_change_made_while_a_scrape_reads_the_values_shows_at_the_next_scrape() -> None:
+    """The moment that decides a text's reuse is taken before the values are read: a change that lands
+    while they are read (here, made by reading the second series) is not hidden behind the old text."""
+    registry = Registry()
+    first: list[GaugeChild] = []
+
+    class ChangesFirst(GaugeChild):
+        __slots__ = ()
+
+        def state(self) -> object:
+            first[0].set(5)  # as another thread would, between the reads of the two series
+            return super().state()
+
+    class Racing(Gauge):
+        def _new(self, values: tuple[str, ...]) -> GaugeChild:
+            kind = GaugeChild if not self._children else ChangesFirst
+            return kind(f"{self.name}{self._labels.text(values)} ", self._changed)
+
+    gauge = Racing("racing", "A gauge changed during a scrape.", ["k"], registry=registry)
+    first.append(gauge.labels("a"))
+    gauge.labels("b")
+    assert 'racing{k="a"} 0.0' in registry.render().decode()
+    assert 'racing{k="a"} 5.0' in registry.render().decode()
 
 
 def test_counters_from_many_threads_lose_no_increment() -> None:

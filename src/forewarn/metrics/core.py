@@ -15,6 +15,7 @@ values. The output is the same text prometheus-client writes (tests/test_metrics
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from bisect import bisect_left
@@ -179,15 +180,22 @@ class Family:
         out.extend(self._lines)
 
 
+#: Marks of change: each change to a metric's series stores the next one in the metric's `changed` cell (one
+#: C call, atomic under the GIL, and never a value the cell held before), so a scrape tells that a metric is
+#: as it last wrote it from one comparison instead of reading every series.
+_marks = itertools.count(1)
+
+
 class _Value:
-    """One series of a metric: its text up to the value, and the value."""
+    """One series of a metric: its text up to the value, and the value. `changed` is its metric's cell."""
 
-    __slots__ = ("_lock", "_value", "prefix")
+    __slots__ = ("_changed", "_lock", "_value", "prefix")
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, changed: list[int]) -> None:
         self.prefix = prefix
         self._value = 0.0
         self._lock = threading.Lock()
+        self._changed = changed
 
     @property
     def value(self) -> float:
@@ -203,6 +211,7 @@ class _Value:
     def inc(self, amount: float = 1.0) -> None:
         with self._lock:
             self._value += amount
+            self._changed[0] = next(_marks)
 
 
 class CounterChild(_Value):
@@ -213,6 +222,7 @@ class CounterChild(_Value):
             raise ValueError("a counter only goes up")
         with self._lock:
             self._value += amount
+            self._changed[0] = next(_marks)
 
 
 class GaugeChild(_Value):
@@ -221,6 +231,7 @@ class GaugeChild(_Value):
     def set(self, value: float) -> None:
         with self._lock:
             self._value = float(value)
+            self._changed[0] = next(_marks)
 
     def dec(self, amount: float = 1.0) -> None:
         self.inc(-amount)
@@ -229,13 +240,15 @@ class GaugeChild(_Value):
 class HistogramChild:
     """One histogram series: counts per bucket (not yet cumulative), the count and the sum."""
 
-    __slots__ = ("_bounds", "_counts", "_lines", "_lock", "_sum")
+    __slots__ = ("_bounds", "_changed", "_counts", "_lines", "_lock", "_sum")
 
-    def __init__(self, name: str, labels: LabelSet, values: Sequence[str], bounds: Sequence[float]) -> None:
+    def __init__(self, name: str, labels: LabelSet, values: Sequence[str], bounds: Sequence[float],
+                 changed: list[int]) -> None:
         self._bounds = tuple(bounds)
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
         self._lock = threading.Lock()
+        self._changed = changed
         self._lines = ([f"{name}_bucket{labels.text(values, ('le', number(b)))} " for b in self._bounds],
                        f"{name}_count{labels.text(values)} ", f"{name}_sum{labels.text(values)} ")
 
@@ -245,6 +258,7 @@ class HistogramChild:
             self._sum += amount
             if i < len(self._counts) and amount <= self._bounds[i]:  # NaN falls in no bucket
                 self._counts[i] += 1
+            self._changed[0] = next(_marks)
 
     def state(self) -> object:
         with self._lock:
@@ -275,9 +289,10 @@ class _Metric:
         self._labels = LabelSet(labelnames)
         self._children: dict[tuple[str, ...], object] = {}
         self._lock = threading.Lock()
+        self._changed = [0]  # the mark of the last change to any series, or of a series added (see _marks)
         self._single = None if labelnames else self._child(())
         self._header = Header(name, documentation, self.kind)
-        self._last: tuple[list[object], str] = ([], "")  # the states of the series at the last write, its text
+        self._last: tuple[int, str] = (-1, "")  # the mark its series had at the last write, and their text
         if registry is not None:
             registry.register(self)
 
@@ -291,6 +306,7 @@ class _Metric:
                 child = self._children.get(values)
                 if child is None:
                     child = self._children[values] = self._new(values)
+                    self._changed[0] = next(_marks)
         return child
 
     def _values(self, values: Sequence[object]) -> tuple[str, ...]:
@@ -302,36 +318,24 @@ class _Metric:
         return (self,)
 
     def write(self, out: list[str], openmetrics: bool) -> None:
-        """The header, then the series. Most scrapes find every value as the last one did (counters move
-        rarely), and then reuse that text instead of formatting each number again."""
+        """The header, then the series. Most scrapes find no series changed since the last one wrote them
+        (counters move rarely), and reuse that text instead of reading and formatting each value again."""
         out.append(self._header.text(openmetrics))
-        children = list(self._children.values())
-        states = self._states(children)
-        with self._lock:
-            if states == self._last[0]:
-                out.append(self._last[1])
-                return
+        mark = self._changed[0]  # read before the values: a change made while they are read is seen next time
+        last, text = self._last
+        if mark == last:
+            out.append(text)
+            return
         lines: list[str] = []
-        for child, state in zip(children, states, strict=True):
-            child.write(lines, state)  # type: ignore[attr-defined]
+        for child in list(self._children.values()):
+            child.write(lines, child.state())  # type: ignore[attr-defined]
         text = "".join(lines)
         with self._lock:
-            self._last = (states, text)
+            self._last = (mark, text)
         out.append(text)
 
-    def _states(self, children: list[object]) -> list[object]:
-        return [child.state() for child in children]  # type: ignore[attr-defined]
 
-
-class _ValueMetric(_Metric):
-    """A counter or gauge: each series is one number, read without a call per series (a scrape reads them
-    all)."""
-
-    def _states(self, children: list[object]) -> list[object]:
-        return [child._value for child in children]  # type: ignore[attr-defined]
-
-
-class Counter(_ValueMetric):
+class Counter(_Metric):
     kind: Kind = "counter"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
@@ -341,7 +345,7 @@ class Counter(_ValueMetric):
         super().__init__(name, documentation, labelnames, registry)
 
     def _new(self, values: tuple[str, ...]) -> CounterChild:
-        return CounterChild(f"{self.name}{self._labels.text(values)} ")
+        return CounterChild(f"{self.name}{self._labels.text(values)} ", self._changed)
 
     def labels(self, *values: object) -> CounterChild:
         child = self._child(self._values(values))
@@ -358,11 +362,11 @@ class Counter(_ValueMetric):
         return self._single.value
 
 
-class Gauge(_ValueMetric):
+class Gauge(_Metric):
     kind: Kind = "gauge"
 
     def _new(self, values: tuple[str, ...]) -> GaugeChild:
-        return GaugeChild(f"{self.name}{self._labels.text(values)} ")
+        return GaugeChild(f"{self.name}{self._labels.text(values)} ", self._changed)
 
     def labels(self, *values: object) -> GaugeChild:
         child = self._child(self._values(values))
@@ -398,7 +402,7 @@ class Histogram(_Metric):
         super().__init__(name, documentation, labelnames, registry)
 
     def _new(self, values: tuple[str, ...]) -> HistogramChild:
-        return HistogramChild(self.name, self._labels, values, self._bounds)
+        return HistogramChild(self.name, self._labels, values, self._bounds, self._changed)
 
     def labels(self, *values: object) -> HistogramChild:
         child = self._child(self._values(values))
