@@ -71,7 +71,7 @@ def run_agent(settings: Settings) -> int:
         endpoint = discover_endpoint()
 
     server = web_server(settings, gate)
-    add_metrics_endpoints(server, exposition(metrics.render),
+    add_metrics_endpoints(server, exposition(metrics.render_parts),
                           readiness_check(lambda: metrics.views.view.last_success, settings.ready_window),
                           inline_metrics=True)
     add_lb_probe(server, lambda: metrics.views.view,

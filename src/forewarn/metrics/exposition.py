@@ -103,6 +103,12 @@ class Metrics:
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The whole exposition for an Accept header, and its content type."""
+        parts, content_type = self._rendering.render(accept)
+        return b"".join(parts), content_type
+
+    def render_parts(self, accept: str = "") -> tuple[tuple[bytes, ...], str]:
+        """As `render`, the exposition in the parts it is made of (the web server writes them as they are:
+        joining them was a tenth of a 100-event scrape)."""
         return self._rendering.render(accept)
 
     @property
@@ -172,12 +178,12 @@ class SharedRendering:
         self._cache_text = b""
         self._flight = threading.Condition()
         self._in_flight: set[str] = set()                  # content types being rendered now
-        self._done: dict[str, tuple[float, bytes]] = {}     # content type -> (start, body) of the last one
+        self._done: dict[str, tuple[float, tuple[bytes, ...]]] = {}  # content type -> (start, body) of the last
         self.renders = 0
         self.document_renders = 0
 
-    def render(self, accept: str = "") -> tuple[bytes, str]:
-        """The whole exposition for an Accept header, and its content type."""
+    def render(self, accept: str = "") -> tuple[tuple[bytes, ...], str]:
+        """The whole exposition for an Accept header, in parts, and its content type."""
         openmetrics, content_type = negotiate(accept)
         arrived = time.perf_counter()
         with self._flight:
@@ -202,7 +208,7 @@ class SharedRendering:
                     self.renders += 1
                 self._flight.notify_all()
 
-    def _render(self, openmetrics: bool) -> bytes:
+    def _render(self, openmetrics: bool) -> tuple[bytes, ...]:
         """The document families from a text cache that is rebuilt only when the document, the VM or a
         status changes (the view keeps the same objects otherwise), then everything else, fresh."""
         view = self._views.view
@@ -219,7 +225,7 @@ class SharedRendering:
             cached = self._cache_text
         out = []
         self._live.write(out, openmetrics)
-        return b"".join((cached, "".join(out).encode(), EOF if openmetrics else b""))
+        return (cached, "".join(out).encode(), EOF) if openmetrics else (cached, "".join(out).encode())
 
 
 class DocumentFamilies:

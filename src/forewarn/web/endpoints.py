@@ -25,8 +25,9 @@ _LANDING = b"""<!doctype html><html><head><title>forewarn</title></head><body>
 """
 
 
-def exposition(render: Callable[[str], tuple[bytes, str]]) -> Handler:
-    """/metrics from `render(accept)`: the exposition body for an Accept header, and its content type."""
+def exposition(render: Callable[[str], tuple[bytes | tuple[bytes, ...], str]]) -> Handler:
+    """/metrics from `render(accept)`: the exposition body (whole, or in parts) for an Accept header, and its
+    content type."""
 
     def metrics(request: Request) -> Response:
         body, content_type = render(request.headers.get("Accept", ""))
