@@ -697,8 +697,9 @@ class HttpServer:
 
     def _check(self, conn: _Connection) -> None:
         """Answer each complete request (on this thread for an inline route, else by a worker); refuse one
-        that cannot be taken. Pipelined requests answered here are taken in turn, not by recursion."""
-        while self._next_request(conn):
+        that cannot be taken. Pipelined requests answered here are taken in turn, not by recursion, and not
+        past a stop."""
+        while self._next_request(conn) and not self._stopping.is_set():
             pass
 
     def _next_request(self, conn: _Connection) -> bool:
