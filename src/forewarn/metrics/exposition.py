@@ -107,8 +107,8 @@ class Metrics:
         return b"".join(parts), content_type
 
     def render_parts(self, accept: str = "") -> tuple[tuple[bytes, ...], str]:
-        """As `render`, the exposition in the parts it is made of (the web server writes them as they are:
-        joining them was a tenth of a 100-event scrape)."""
+        """As `render`, the exposition in the parts it is made of: the web server writes them as they are,
+        without joining them into one more copy."""
         return self._rendering.render(accept)
 
     @property
