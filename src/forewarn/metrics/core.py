@@ -220,9 +220,7 @@ class CounterChild(_Value):
     def inc(self, amount: float = 1.0) -> None:
         if amount < 0:
             raise ValueError("a counter only goes up")
-        with self._lock:
-            self._value += amount
-            self._changed[0] = next(_marks)
+        super().inc(amount)
 
 
 class GaugeChild(_Value):
@@ -330,8 +328,7 @@ class _Metric:
         for child in list(self._children.values()):
             child.write(lines, child.state())  # type: ignore[attr-defined]
         text = "".join(lines)
-        with self._lock:
-            self._last = (mark, text)
+        self._last = (mark, text)  # one assignment: a scrape reads the pair whole, either one's or another's
         out.append(text)
 
 

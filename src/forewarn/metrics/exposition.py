@@ -225,7 +225,8 @@ class SharedRendering:
             cached = self._cache_text
         out = []
         self._live.write(out, openmetrics)
-        return (cached, "".join(out).encode(), EOF) if openmetrics else (cached, "".join(out).encode())
+        live = "".join(out).encode()
+        return (cached, live, EOF) if openmetrics else (cached, live)
 
 
 class DocumentFamilies:
