@@ -8,7 +8,9 @@ managed identity token endpoint, checking what the real services require and ref
   `resultFormat` ("objectArray": the stand-in serves no other), `allowPartialScopes`,
   `authorizationScopeFilter`. It answers `{totalRecords, count, resultTruncated, $skipToken?, data}` with the
   rows of `rows` whose subscriptionId is in scope (a management group stands for the subscriptions
-  `groups` gives it), `$top` (or `faults.page_rows`, when smaller) at a time. As Resource Graph does, a
+  `groups` gives it) and, when the query has `| where resourceGroup in~ ("a", ...)`, whose resourceGroup is
+  one of those (without regard to case, as KQL's `in~`; such a clause that is not a list of string literals is
+  400), `$top` (or `faults.page_rows`, when smaller) at a time. As Resource Graph does, a
   query whose projection drops `id` cannot be paged: more rows than a page give resultTruncated "true"
   and no $skipToken. A wrong path is 404, a wrong method 405, a missing or wrong token 401 (an ARM error
   object that never repeats the token), anything else malformed 400 with the reason; every refusal is
@@ -23,7 +25,10 @@ managed identity token endpoint, checking what the real services require and ref
   target is a VM, scale set or availability set: the bearer token as for queries, an api-version of
   ACK_VERSIONS, and events that `rows` lists for that target (ARM compares names without regard to case);
   an unknown one is 404. Answers `{"value": "Successfully Approved"}`; every acknowledgement is kept in
-  `received.acks`, and `ack_faults` (throttle, fail, hang) shapes the next answers to them.
+  `received.acks`, and `ack_faults` (throttle, fail, hang, delay) shapes the next answers to them, or
+  `target_faults[target]` (the target's ARM ID in lower case) the answers for that target alone. Every
+  acknowledge POST is kept in `received.ack_calls` (when it arrived and was answered), and the stand-in counts
+  how many were under way at once, in all and per target (`ack_most_in_flight`, `ack_most_per_target`).
 
 `faults` shapes the next answers to queries: 429 with Retry-After, 5xx, a hang (no answer until `stop()`),
 a trickled body, bad JSON, a reply of the wrong shape, an oversized reply, a truncated result, a small
@@ -54,6 +59,10 @@ TOKEN_PATH = "/metadata/identity/oauth2/token"
 GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 OPTIONS = {"$top", "$skip", "$skipToken", "resultFormat", "allowPartialScopes", "authorizationScopeFilter"}
 BODY_KEYS = {"subscriptions", "managementGroups", "query", "options", "facets"}
+#: KQL string literals: double-quoted, a backslash escapes the next character.
+_KQL_STRING = r'"(?:[^"\\\n]|\\.)*"'
+_RESOURCE_GROUP_FILTER = re.compile(r"\|\s*where\s+resourceGroup\s+in~\s*\(")
+_RESOURCE_GROUP_LIST = re.compile(rf"\s*({_KQL_STRING}(?:\s*,\s*{_KQL_STRING})*)\s*\)")
 #: The Maintenance RP's preview api-versions with the acknowledge operation, and those whose spec also has the
 #: list form (shared FLEET-FACTS.md, section 3).
 ACK_VERSIONS = ("2023-10-01-preview", "2025-10-01-preview", "2026-02-01-preview")
@@ -92,6 +101,7 @@ class Faults:
     page_rows: int | None = None         # the server's page size when smaller than $top
     quota_limit: int | None = None       # queries per quota_window; None: no quota headers
     quota_window: float = 5.0
+    delay: float = 0.0                   # acknowledgements only: seconds before the answer (a slow reply)
 
 
 @dataclass
@@ -108,6 +118,34 @@ class Received:
     acks: list[tuple[str, str, str, str]] = field(default_factory=list)
     ack_statuses: list[int] = field(default_factory=list)   # the status answered to each acknowledge POST
     ack_times: list[float] = field(default_factory=list)    # time.time() of each event acknowledged (as acks)
+    ack_calls: list[AckCall] = field(default_factory=list)  # every acknowledge POST, in the order answered
+    ack_in_flight: dict[str, int] = field(default_factory=dict)        # POSTs under way, by target
+    ack_most_in_flight: int = 0                                        # the most under way at once, in all
+    ack_most_per_target: dict[str, int] = field(default_factory=dict)  # ... and for one target
+
+
+@dataclass(frozen=True)
+class AckCall:
+    """One acknowledge POST: its target (lower case), its events, when it arrived and when its answer was
+    written (time.monotonic()), and the status (None: hung until stop())."""
+
+    target: str
+    event_ids: tuple[str, ...]
+    arrived: float
+    answered: float
+    status: int | None
+
+
+def _event_ids(path: str, body: bytes) -> tuple[str, ...]:
+    """The events an acknowledge POST names (none when its body is not the list form)."""
+    found = ACK_PATH.fullmatch(path)
+    if found is not None and found.group("event"):
+        return (found.group("event"),)
+    try:
+        value = json.loads(body).get("value")
+    except (ValueError, AttributeError):
+        return ()
+    return tuple(str(i) for i in value) if isinstance(value, list) else ()
 
 
 def resets_after_text(seconds: float) -> str:
@@ -126,6 +164,8 @@ class ArmPeer:
         self.max_scopes = max_scopes
         self.faults = Faults()
         self.ack_faults = Faults()
+        self.target_faults: dict[str, Faults] = {}   # by target in lower case; ack_faults for the others
+        self._faults_lock = threading.Lock()
         self.received = Received()
         self.released = threading.Event()   # set at stop(): hung answers end
         self._quota_used = 0
@@ -203,14 +243,10 @@ class ArmPeer:
                 status, extra, answer = self._query(url.query, headers, body)
                 with self.received.lock:
                     self.received.statuses.append(status)
-        elif ACK_PATH.fullmatch(url.path):
-            if self.ack_faults.hang:
-                self.released.wait()
-                handler.close_connection = True
-                return
-            status, extra, answer = self._acknowledge(method, url.path, url.query, headers, body)
-            with self.received.lock:
-                self.received.ack_statuses.append(status)
+        elif found := ACK_PATH.fullmatch(url.path):
+            self._serve_acknowledge(handler, method, found.group("target").lower(), url.path, url.query, headers,
+                                    body)
+            return
         else:
             status, extra, answer = self._refuse(Refused(404, "NotFound", f"no route {method} {url.path}"))
         self._write(handler, status, extra, answer)
@@ -272,6 +308,37 @@ class ArmPeer:
                                     "expires_on": str(int(time.time()) + 86399), "resource": self.base}).encode()
 
     # --- the acknowledge route -------------------------------------------------------------------------
+    def _ack_faults_for(self, target: str) -> Faults:
+        return self.target_faults.get(target, self.ack_faults)
+
+    def _serve_acknowledge(self, handler: BaseHTTPRequestHandler, method: str, target: str, path: str, query: str,
+                           headers: dict[str, str], body: bytes) -> None:
+        """One acknowledge POST, counted while under way and kept in `received.ack_calls`."""
+        arrived = time.monotonic()
+        faults = self._ack_faults_for(target)
+        with self.received.lock:
+            received = self.received
+            received.ack_in_flight[target] = now = received.ack_in_flight.get(target, 0) + 1
+            received.ack_most_per_target[target] = max(received.ack_most_per_target.get(target, 0), now)
+            received.ack_most_in_flight = max(received.ack_most_in_flight, sum(received.ack_in_flight.values()))
+        status: int | None = None
+        try:
+            if faults.hang:
+                self.released.wait()
+                handler.close_connection = True
+                return
+            status, extra, answer = self._acknowledge(method, path, query, headers, body)
+            with self.received.lock:
+                self.received.ack_statuses.append(status)
+            if faults.delay:
+                self.released.wait(faults.delay)
+            self._write(handler, status, extra, answer)
+        finally:
+            with self.received.lock:
+                self.received.ack_in_flight[target] -= 1
+                self.received.ack_calls.append(AckCall(target, _event_ids(path, body), arrived, time.monotonic(),
+                                                       status))
+
     def _acknowledge(self, method: str, path: str, query: str, headers: dict[str, str],
                      body: bytes) -> tuple[int, dict[str, str], bytes]:
         found = ACK_PATH.fullmatch(path)
@@ -307,13 +374,16 @@ class ArmPeer:
                 raise Refused(404, "ScheduledEventNotFound", f"no scheduled event {unknown[0]} on {target}")
         except Refused as refused:
             return self._refuse(refused)
-        faults = self.ack_faults
-        if faults.throttle > 0:
-            faults.throttle -= 1
+        faults = self._ack_faults_for(target)
+        with self._faults_lock:   # answers to one target may be under way at once
+            throttled = faults.throttle > 0
+            failing = not throttled and faults.fail > 0
+            faults.throttle -= throttled
+            faults.fail -= failing
+        if throttled:
             retry = {"Retry-After": faults.retry_after} if faults.retry_after is not None else {}
             return 429, retry, json.dumps({"error": {"code": "TooManyRequests", "message": "throttled"}}).encode()
-        if faults.fail > 0:
-            faults.fail -= 1
+        if failing:
             retry = {"Retry-After": faults.fail_retry_after} if faults.fail_retry_after is not None else {}
             return faults.fail_status, retry, json.dumps(
                 {"error": {"code": "InternalServerError", "message": "the stand-in is failing"}}).encode()
@@ -396,6 +466,7 @@ class ArmPeer:
             raise Refused(400, "InvalidQuery", "query must be a non-empty string")
         if not text.lstrip().startswith("maintenanceresources"):
             raise Refused(400, "InvalidQuery", "this stand-in serves the maintenanceresources table only")
+        self._resource_groups(text)
         options = request.get("options", {})
         if not isinstance(options, dict):
             raise Refused(400, "InvalidRequestContent", "options must be an object")
@@ -409,6 +480,17 @@ class ArmPeer:
         if "$skipToken" in options:
             self._offset(options["$skipToken"], request)
         return request
+
+    @staticmethod
+    def _resource_groups(query: str) -> set[str] | None:
+        """The resource groups of the query's `| where resourceGroup in~ (...)`, lower-cased; None without one."""
+        clause = _RESOURCE_GROUP_FILTER.search(query)
+        if clause is None:
+            return None
+        names = _RESOURCE_GROUP_LIST.match(query, clause.end())
+        if names is None:
+            raise Refused(400, "InvalidQuery", "resourceGroup in~ takes a list of string literals")
+        return {json.loads(literal).lower() for literal in re.findall(_KQL_STRING, names.group(1))}
 
     def _key(self, request: dict[str, Any]) -> str:
         scope = request.get("subscriptions") or request.get("managementGroups")
@@ -429,7 +511,9 @@ class ArmPeer:
             wanted = set(request["subscriptions"])
         else:
             wanted = {sub for group in request["managementGroups"] for sub in self.groups[group]}
-        rows = [row for row in self.rows if row.get("subscriptionId") in wanted]
+        groups = self._resource_groups(request["query"])
+        rows = [row for row in self.rows if row.get("subscriptionId") in wanted
+                and (groups is None or str(row.get("resourceGroup", "")).lower() in groups)]
         options = request.get("options", {})
         size = min(options.get("$top", 1000), self.faults.page_rows or 1000)
         start = self._offset(options["$skipToken"], request) if "$skipToken" in options else 0

@@ -12,9 +12,10 @@ Facts this relies on (shared FLEET-FACTS.md, section 3; every api-version with i
   "Scheduled Events Contributor"); approving here or through a VM's IMDS is the same.
 
 `Acknowledger.acknowledge` is one attempt to approve some events of one target, retried within itself on
-429 and 5xx (after Retry-After, bounded) and once after a 401 with a new token; it remembers nothing, so a
-caller that asks twice sends twice (the service treats a repeat as harmless). Every request has one
-deadline for the whole exchange and the stop signal ends any wait.
+429 and 5xx (after Retry-After, bounded; `attempts=1` leaves that to the caller, as forewarn.fleet.acks does)
+and once after a 401 with a new token; it remembers nothing, so a caller that asks twice sends twice (the
+service treats a repeat as harmless). Every request has one deadline for the whole exchange and the stop
+signal ends any wait. Calls may run at once on several threads, each on a kept-alive connection of its own.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ TARGET_TYPES = ("virtualmachines", "virtualmachinescalesets", "availabilitysets"
 #: Events per list call (the spec sets no limit; this keeps one request small).
 MAX_PER_CALL = 50
 MAX_REPLY_BYTES = 64 * 1024
+#: Kept-alive connections kept idle between calls (calls at once beyond it open and then close their own).
+MAX_IDLE_CONNECTIONS = 8
 
 
 class AcknowledgeError(ArmError):
@@ -63,12 +66,14 @@ class Acknowledged:
 
 
 class Acknowledger:
-    """Acknowledges scheduled events through ARM. Used by one thread at a time (a lock keeps calls in turn).
+    """Acknowledges scheduled events through ARM. Safe to call from several threads at once: each call takes
+    a kept-alive connection of its own (at most MAX_IDLE_CONNECTIONS stay open between calls) and they share
+    one token.
 
     - `arm_endpoint`: ARM's base URL (https only); the token's scope is `{arm_endpoint}/.default`.
     - `api_version`: the Maintenance RP's (a preview; `--acknowledge-api-version`).
     - `timeout`: seconds each request may take in all; `attempts`: tries per request on 429 and 5xx, each
-      after the reply's Retry-After (or a backoff), at most `max_wait` seconds.
+      after the reply's Retry-After (or a backoff), at most `max_wait` seconds (a call may ask for fewer).
     - `stop`: ends any wait (a reply, a token, a Retry-After) with `Stopped`.
     """
 
@@ -87,42 +92,73 @@ class Acknowledger:
         self.stop = stop
         self.list_form = api_version in LIST_FORM_VERSIONS
         self._tokens = Tokens(credential, f"{self.endpoint}/.default", token_timeout, AcknowledgeError)
-        self._wire = ArmConnection(host, port, context or default_tls_context(), timeout,
-                                   MAX_REPLY_BYTES, lambda: AcknowledgeError(
-                                       f"acknowledge: reply larger than {MAX_REPLY_BYTES} bytes; connection dropped"))
+        self._host, self._port, self._context = host, port, context or default_tls_context()
         self._backoff = Backoff(base=1.0, cap=max(max_wait, 0.001))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # the idle connections
+        self._idle: list[ArmConnection] = []
+        self._closings = 0                     # close() calls so far: a connection out during one is not kept
 
     def close(self) -> None:
+        """Closes the idle connections (and those in use, once their call ends); a later call opens anew."""
         with self._lock:
-            self._wire.close()
+            idle, self._idle = self._idle, []
+            self._closings += 1
+        for wire in idle:
+            wire.close()
 
-    def acknowledge(self, target: str, event_ids: Sequence[str]) -> Acknowledged:
+    def acknowledge(self, target: str, event_ids: Sequence[str], *, attempts: int | None = None) -> Acknowledged:
         """Approve `event_ids`, all of the resource `target` (an ARM ID of a VM, scale set or availability
-        set). Raises AcknowledgeError (nothing after the first failing call was sent), Stopped on the stop
-        signal, ValueError for a target or id that cannot be one."""
+        set), trying each request up to `attempts` times on 429 and 5xx (default: the constructor's; 1: no
+        retry here, the error's `retry_after` says what ARM asked). Raises AcknowledgeError (nothing after the
+        first failing call was sent), Stopped on the stop signal, ValueError for a target or id that cannot
+        be one."""
         base = self._target_path(target)
         ids = list(dict.fromkeys(event_ids))
         if not ids or not all(isinstance(i, str) and i and "/" not in i and len(i) <= 64 for i in ids):
             raise ValueError(f"event ids must be non-empty ids without '/'; got {ids!r}")
+        tries = self.attempts if attempts is None else attempts
+        if tries < 1:
+            raise ValueError(f"attempts must be at least 1; got {attempts}")
         query = urlencode({"api-version": self.api_version})
         done: list[str] = []
         requests = throttled = 0
-        with self._lock:
+        wire, closings = self._connection()
+        try:
             if self.list_form and len(ids) > 1:
                 for start in range(0, len(ids), MAX_PER_CALL):
                     part = ids[start:start + MAX_PER_CALL]
-                    sent, limited = self._post(f"{base}?{query}", json.dumps({"value": part}).encode(),
-                                               f"{target}: {len(part)} event(s)")
+                    sent, limited = self._post(wire, f"{base}?{query}", json.dumps({"value": part}).encode(),
+                                               f"{target}: {len(part)} event(s)", tries)
                     requests, throttled = requests + sent, throttled + limited
                     done += part
             else:
                 for event_id in ids:
-                    sent, limited = self._post(f"{base}/{quote(event_id, safe='')}/acknowledge?{query}", None,
-                                               f"{target}: event {event_id}")
+                    sent, limited = self._post(wire, f"{base}/{quote(event_id, safe='')}/acknowledge?{query}", None,
+                                               f"{target}: event {event_id}", tries)
                     requests, throttled = requests + sent, throttled + limited
                     done.append(event_id)
+        finally:
+            self._give_back(wire, closings)
         return Acknowledged(tuple(done), requests, throttled)
+
+    def _connection(self) -> tuple[ArmConnection, int]:
+        """An idle kept-alive connection, or a new one (it connects at its first request), and the number of
+        close() calls when it was taken."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), self._closings
+            closings = self._closings
+        wire = ArmConnection(self._host, self._port, self._context, self.timeout, MAX_REPLY_BYTES,
+                             lambda: AcknowledgeError(
+                                 f"acknowledge: reply larger than {MAX_REPLY_BYTES} bytes; connection dropped"))
+        return wire, closings
+
+    def _give_back(self, wire: ArmConnection, closings: int) -> None:
+        with self._lock:
+            if closings == self._closings and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(wire)
+                return
+        wire.close()
 
     @staticmethod
     def _target_path(target: str) -> str:
@@ -135,7 +171,8 @@ class Acknowledger:
         path = str(arm_id)
         return quote(path, safe="/") + "/providers/Microsoft.Maintenance/scheduledevents"
 
-    def _post(self, target: str, body: bytes | None, what: str) -> tuple[int, int]:
+    def _post(self, wire: ArmConnection, target: str, body: bytes | None, what: str,
+              attempts: int) -> tuple[int, int]:
         """One acknowledge request, sent again after 429/5xx; (requests sent, 429s) once ARM accepts it."""
         renewed = False
         attempt = requests = throttled = 0
@@ -146,8 +183,8 @@ class Acknowledger:
                 headers["Content-Type"] = "application/json"
             requests += 1
             try:
-                status, reply_headers, reply = self._wire.send("POST", target, body if body is not None else b"",
-                                                               headers, Deadline(self.timeout, self.stop))
+                status, reply_headers, reply = wire.send("POST", target, body if body is not None else b"",
+                                                         headers, Deadline(self.timeout, self.stop))
             except TimeoutError:
                 raise AcknowledgeError(f"acknowledge {what}: no complete answer within {self.timeout:g} s",
                                        retryable=True) from None
@@ -165,11 +202,11 @@ class Acknowledger:
             retry_after = parse_retry_after(reply_headers.get("retry-after"))
             retryable = status in (408, 429) or status >= 500
             attempt += 1
-            if not retryable or attempt >= self.attempts:
+            if not retryable or attempt >= attempts:
                 raise self._refused(status, reply, reply_headers, what, retryable, retry_after, attempt)
             wait = min(retry_after if retry_after is not None else self._backoff.delay(attempt - 1), self.max_wait)
             log.warning("acknowledge %s: HTTP %d, trying again in %.1f s (attempt %d of %d)", what, status, wait,
-                        attempt + 1, self.attempts)
+                        attempt + 1, attempts)
             self._sleep(wait)
 
     def _sleep(self, seconds: float) -> None:
