@@ -241,3 +241,18 @@ def collector(tmp_path: Path) -> Iterator[Callable[..., CollectorProcess]]:
     for proc in started:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.kill()
+
+
+def agent_ledger(node: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-VM agent's entries of a node's forewarn.io/applied ledger, by event id, without the owner fields
+    (`event`, `by`). Every entry must be keyed `{EventId}@agent` and name the agent: the per-VM agent writes no
+    other."""
+    import json
+
+    text = ((node.get("metadata") or {}).get("annotations") or {}).get("forewarn.io/applied")
+    entries: dict[str, dict[str, Any]] = {}
+    for key, entry in (json.loads(text) if text else {}).items():
+        event_id, _, owner = key.partition("@")
+        assert owner == "agent" and entry.get("by") == "agent" and entry.get("event") == event_id, (key, entry)
+        entries[event_id] = {kind: held for kind, held in entry.items() if kind not in ("event", "by")}
+    return entries

@@ -19,6 +19,7 @@ from forewarn.fleet.acknowledge import Acknowledger
 from forewarn.fleet.approval import FleetApprover, place_of
 from forewarn.fleet.feed import FleetEvent
 from forewarn.fleet.metrics import FleetMetrics
+from forewarn.fleet.tracker import FleetView
 from forewarn.imds.document import Event
 from forewarn.records import Record
 
@@ -119,8 +120,14 @@ class Harness:
         self.now = NOW
         self.metrics = FleetMetrics(["resourcegraph"])
         self.approver = FleetApprover(parse_policy(policy_text, fleet=True), Acknowledger(arm.base, FixedToken()),
-                                      lambda: self.events, self.records.extend, self.metrics.approvals,
+                                      self.view, self.records.extend, self.metrics.approvals,
                                       dry_run=dry_run, clock=lambda: self.now)
+
+    def view(self) -> FleetView:
+        """In these tests an event leaves the open events only by ending (as a final status does)."""
+        events = tuple(self.events)
+        open_ids = {event.event.event_id.lower() for event in events}
+        return FleetView(events, ended=lambda event_id: event_id.lower() not in open_ids)
 
     def step(self, seconds: float = 0.0) -> None:
         self.now += seconds

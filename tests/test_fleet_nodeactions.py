@@ -22,6 +22,7 @@ from forewarn.fleet.approval import FleetApprover
 from forewarn.fleet.feed import FleetEvent
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.nodeactions import FleetNodes
+from forewarn.fleet.tracker import FleetView
 from forewarn.imds.document import Event
 from forewarn.node.actions import APPLIED
 from forewarn.node.kube import make_client
@@ -84,20 +85,30 @@ class Replica:
     """One active replica's approver, running on its own thread as in a term."""
 
     def __init__(self, api: KubeApi, arm: ArmPeer, tmp_path: Path, name: str, events: list[FleetEvent],
-                 settled: bool = True, policy: str = POLICY) -> None:
+                 snapshots: int = 1, policy: str = POLICY) -> None:
         kubeconfig = str(api.kubeconfig(tmp_path / f"kubeconfig-{name}", namespace="forewarn"))
         self.records: list[Record] = []
         self.metrics = FleetMetrics(["resourcegraph"])
         self.events = events
+        self.snapshots = snapshots             # complete snapshots committed in this term
+        self.ended_ids: set[str] = set()       # the tracker's memory of ended events
         nodes = FleetNodes(lambda stop: make_client(kubeconfig, stop=stop), self.records.extend, self.metrics,
                            refresh=0.5, poll=0.05)
         self.approver = FleetApprover(parse_policy(policy, fleet=True), Acknowledger(arm.base, FixedToken()),
-                                      lambda: list(self.events), self.records.extend, self.metrics.approvals,
-                                      tick=0.05, nodes=nodes, settled=lambda: self.settled)
-        self.settled = settled
+                                      self.view, self.records.extend, self.metrics.approvals,
+                                      tick=0.05, nodes=nodes, held=self.metrics.undo_held)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.approver.run, args=(self.stop,), daemon=True)
         self.thread.start()
+
+    def view(self) -> FleetView:
+        return FleetView(tuple(self.events), self.snapshots, True, lambda event_id: event_id.lower() in self.ended_ids)
+
+    def finish(self, event: FleetEvent) -> None:
+        """The event ended (as the committer reports it: out of the open events, into the ended memory)."""
+        self.ended_ids.add(event.event.event_id.lower())
+        self.events[:] = [e for e in self.events if e.event.event_id != event.event.event_id]
+        self.approver.ended([completed(event)])
 
     def end(self) -> None:
         self.stop.set()
@@ -127,7 +138,7 @@ def test_the_event_s_nodes_are_drained_before_its_one_approval_and_released_when
         assert len(approved) == 3 and {r.data["policy_rule"] for r in approved} == {"pool-reboots"}
         time.sleep(0.5)
         assert len(arm.received.acks) == 1, "approved once"
-        replica.events.clear()                                   # the event ended
+        replica.finish(event)                                    # the event ended
         wait_until(lambda: not any(api.node(n)["spec"].get("unschedulable")
                                    for n in ("aks-pool-vmss000000", "aks-pool-vmss000001")), timeout=20,
                    message="both nodes uncordoned")
@@ -137,12 +148,12 @@ def test_the_event_s_nodes_are_drained_before_its_one_approval_and_released_when
         replica.end()
 
 
-def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_once_it_knows_the_event_is_over(
+def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_only_once_it_knows_the_event_is_over(
         api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
-    """The first replica cordons and drains a node and dies before the event ends. Its successor, before its
-    first complete snapshot, does not know which events are open, so it undoes nothing; the event's end (news
-    from a feed) or, after a complete snapshot, the node's ledger naming an event no longer open, is what
-    makes it undo."""
+    """The first replica cordons and drains two nodes and dies before the events end. Its successor does nothing
+    to nodes before its term's first complete snapshot, even when a feed says one event ended; after it, it
+    undoes what is known to be over (the event with a final status), holds the other (not open, but absent
+    from only one complete snapshot) and says so, and undoes that one at the second complete snapshot."""
     events = [scale_set_event(2, ("aks-pool-vmss_0",)), scale_set_event(3, ("aks-pool-vmss_1",))]
     arm.rows = [{"id": f"{POOL}/providers/Microsoft.Maintenance/scheduledevents/{e.event.event_id}",
                  "name": e.event.event_id, "subscriptionId": SUB} for e in events]
@@ -151,22 +162,68 @@ def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_once_it_know
     first.end()                                                  # gone without undoing anything
     cordoned = ("aks-pool-vmss000000", "aks-pool-vmss000001")
     assert all(api.node(node)["spec"].get("unschedulable") is True for node in cordoned)
-    second = Replica(api, arm, tmp_path, "b", [], settled=False)  # its tracker knows no event yet
+    second = Replica(api, arm, tmp_path, "b", [], snapshots=0)   # its tracker knows no event yet
     try:
+        second.finish(events[0])                                 # a feed says the first event is over
         time.sleep(1.5)                                          # three refreshes of the nodes
         assert all(api.node(node)["spec"].get("unschedulable") is True for node in cordoned), "undone too early"
-        second.approver.ended([completed(events[0])])            # a feed says the first event is over
+        assert second.metrics.undo_held.waiting.value == 1
+        second.snapshots = 1                                     # a complete snapshot: the ended one goes
         wait_until(lambda: not api.node("aks-pool-vmss000000")["spec"].get("unschedulable"), timeout=20,
                    message="the undo of the event that ended")
+        wait_until(lambda: ("aks-pool-vmss000001", "undo", "held") in second.kinds(), timeout=20,
+                   message="the held undo, recorded")
         assert api.node("aks-pool-vmss000001")["spec"].get("unschedulable") is True
-        second.settled = True                                    # a complete snapshot: the other is over too
+        assert second.metrics.undo_held.entries.labels("not_known_over").value == 1
+        second.snapshots = 2                                     # missing from two complete snapshots: over
         wait_until(lambda: not api.node("aks-pool-vmss000001")["spec"].get("unschedulable"), timeout=20,
-                   message="the undo of what the ledger holds for an event no longer open")
+                   message="the undo of what the ledger holds for an event known to be over")
         assert ("aks-pool-vmss000000", "undo", "ok") in second.kinds()
         assert all(APPLIED not in (api.node(node)["metadata"].get("annotations") or {}) for node in cordoned)
         assert len(arm.received.acks) == 2
     finally:
         second.end()
+
+
+def test_entries_of_another_owner_are_never_undone_and_shared_cordons_stay(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    """Another owner (the per-VM agent, another fleet instance) holds a cordon for an event this instance never
+    sees: however many complete snapshots lack it, its entry and cordon stay, and this instance's own undo of a
+    shared cordon leaves the node cordoned while the other entry holds it."""
+    from forewarn.node.actions import KubeNodeActor
+    from forewarn.owner import Owner
+
+    kubeconfig = str(api.kubeconfig(tmp_path / "kubeconfig-agent", namespace="forewarn"))
+    event = scale_set_event(4, ("aks-pool-vmss_0",))
+    arm.rows = [{"id": f"{POOL}/providers/Microsoft.Maintenance/scheduledevents/{event.event.event_id}",
+                 "name": event.event.event_id, "subscriptionId": SUB}]
+    agent = KubeNodeActor(make_client(kubeconfig), "aks-pool-vmss000000", owner=Owner())
+    other = KubeNodeActor(make_client(kubeconfig), "aks-pool-vmss000001", owner=Owner.fleet("subscription x", "ns/b"))
+    from forewarn.approval.policy import NodeAction
+
+    imds_only = scale_set_event(5, ("aks-pool-vmss_0",)).event                 # an event the feeds never list
+    assert agent.act([NodeAction("cordon")], imds_only, False, lambda outcome: None)
+    assert other.act([NodeAction("cordon")], imds_only, False, lambda outcome: None)
+    replica = Replica(api, arm, tmp_path, "a", [event], snapshots=5)
+    try:
+        wait_until(lambda: len(arm.received.acks) == 1, timeout=30, message="this instance's approval")
+        replica.finish(event)
+        wait_until(lambda: not [ref for ref in replica_entries(api, "aks-pool-vmss000000")
+                                if ref.startswith(event.event.event_id)], timeout=20, message="its own undo")
+        time.sleep(1.0)                                                          # two more reads of the nodes
+        for node in ("aks-pool-vmss000000", "aks-pool-vmss000001"):
+            assert api.node(node)["spec"].get("unschedulable") is True, node
+            assert [key.split("@")[0] for key in replica_entries(api, node)] == [imds_only.event_id]
+        assert replica.metrics.undo_held.entries.labels("other_owner").value == 2
+    finally:
+        replica.end()
+
+
+def replica_entries(api: KubeApi, node: str) -> list[str]:
+    import json
+
+    text = (api.node(node)["metadata"].get("annotations") or {}).get(APPLIED)
+    return sorted(json.loads(text)) if text else []
 
 
 GONE_POLICY = """
@@ -218,12 +275,12 @@ def test_after_a_spot_eviction_the_gone_node_is_taken_out_of_service_until_it_is
         wait_until(lambda: all(api.node(n)["spec"].get("unschedulable") for n in (gone, alive)), timeout=20,
                    message="both nodes cordoned")
         not_ready(api, gone)                                     # the VM was evicted
-        replica.events.clear()
-        replica.approver.ended([completed(event)])
+        replica.finish(event)
         wait_until(lambda: any(t["key"] == "node.kubernetes.io/out-of-service"
                                for t in api.node(gone)["spec"].get("taints") or []), timeout=20,
                    message="the out-of-service taint on the gone node")
-        assert api.node(gone)["metadata"]["annotations"]["forewarn.io/out-of-service"] == event.event.event_id
+        mark = api.node(gone)["metadata"]["annotations"]["forewarn.io/out-of-service"]
+        assert mark == f"{event.event.event_id}@{replica.approver.nodes.owner.id}"
         wait_until(lambda: ("aks-pool-vmss000001", "out_of_service", "skipped") in replica.kinds(), timeout=10,
                    message="the Ready node left alone")
         assert not any(t["key"] == "node.kubernetes.io/out-of-service" for t in api.node(alive)["spec"].get("taints")
@@ -250,8 +307,7 @@ def test_after_a_terminate_delete_node_deletes_only_the_node_that_is_not_ready(
         wait_until(lambda: api.node("aks-pool-vmss000000")["spec"].get("unschedulable"), timeout=20,
                    message="cordoned")
         not_ready(api, "aks-pool-vmss000000")
-        replica.events.clear()
-        replica.approver.ended([completed(event)])
+        replica.finish(event)
         wait_until(lambda: ("aks-pool-vmss000000", "delete_node", "ok") in replica.kinds(), timeout=20,
                    message="the gone node deleted")
         with pytest.raises(KeyError):

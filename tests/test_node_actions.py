@@ -35,7 +35,7 @@ from forewarn.node.kube import make_client
 from forewarn.records import Record
 from forewarn.tracker import Tracker
 
-from conftest import SimulatorHandle, parse_metrics, sample, wait_until
+from conftest import SimulatorHandle, agent_ledger, parse_metrics, sample, wait_until
 from peers.kube_api import KubeApi
 
 ROOT = Path(__file__).parent.parent
@@ -295,7 +295,7 @@ def test_a_restart_in_the_middle_of_a_drain_resumes_it(api: KubeApi, harnesses: 
     first = harnesses(api, REBOOT_POLICY)
     first.poll(imds_event())
     wait_until(lambda: any(r.status == 429 for r in api.requests), timeout=10)
-    deadline = json.loads(api.node("node-1")["metadata"]["annotations"][APPLIED])["E1"]["drain"]["deadline"]
+    deadline = agent_ledger(api.node("node-1"))["E1"]["drain"]["deadline"]
     first.close()  # stopped mid-drain: not a failure, and the lease stays this node's
     first.settle()
     assert ("drain", "failed") not in first.actions()
@@ -306,7 +306,7 @@ def test_a_restart_in_the_middle_of_a_drain_resumes_it(api: KubeApi, harnesses: 
     api.set_pdb_allowed("shop", "web", 1)
     wait_until(lambda: second.approver.stage("E1") is Stage.ACTED, timeout=15)
     assert sorted(pod for _, pod, _ in api.evictions) == ["api-1", "web-1"]  # each evicted once
-    ledger = json.loads(api.node("node-1")["metadata"]["annotations"][APPLIED])["E1"]
+    ledger = agent_ledger(api.node("node-1"))["E1"]
     assert ledger["drain"]["done"] is True and ledger["drain"]["deadline"] == deadline
     (lease,) = api.leases()
     assert not lease["spec"].get("holderIdentity")  # released once done

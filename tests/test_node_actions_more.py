@@ -29,7 +29,7 @@ from forewarn.node import KubeNodeActor
 from forewarn.node.drain import LEASE_SECONDS
 from test_node_actions import CLUSTER_ROLE, Harness, imds_event
 
-from conftest import CollectorProcess, SimulatorHandle, sample, wait_for_polls, wait_until
+from conftest import CollectorProcess, SimulatorHandle, agent_ledger, sample, wait_for_polls, wait_until
 from peers.kube_api import KubeApi
 
 RELOAD_OK = "azure_scheduled_events_policy_last_reload_successful"
@@ -65,9 +65,8 @@ rules:
 """
 
 
-def ledger(api: KubeApi, node: str = "node-1") -> dict[str, object]:
-    text = api.node(node)["metadata"].get("annotations", {}).get("forewarn.io/applied")
-    return json.loads(text) if text else {}
+def ledger(api: KubeApi, node: str = "node-1") -> dict[str, dict[str, object]]:
+    return agent_ledger(api.node(node))
 
 
 # --- 1. options beyond their defaults ---------------------------------------------------------------

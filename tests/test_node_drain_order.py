@@ -9,7 +9,6 @@ The approver runs in-process (the Harness of test_node_actions.py); tests wait w
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from forewarn.sinks.slack import slack_message
 from forewarn.sinks.teams import adaptive_card
 from test_node_actions import CLUSTER_ROLE, RECORD_SCHEMA, Harness, imds_event
 
-from conftest import wait_until
+from conftest import agent_ledger, wait_until
 from peers.kube_api import KubeApi
 
 DRAIN = """
@@ -82,8 +81,7 @@ def drain_records(h: Harness, phase: str | None = None) -> list[dict[str, Any]]:
 
 
 def ledger(api: KubeApi) -> dict[str, Any]:
-    text = api.node("node-1")["metadata"].get("annotations", {}).get(APPLIED)
-    return json.loads(text) if text else {}
+    return agent_ledger(api.node("node-1"))
 
 
 def evicted(api: KubeApi) -> list[str]:

@@ -7,6 +7,12 @@ approves, once its delay, `approve_within` and maintenance windows allow and wit
 is acknowledged through ARM (forewarn.fleet.acknowledge; the events of one target together, where the
 api-version has the list form), and each VM in its Resources gets an `approved` record naming the rule.
 
+Each step reads one `FleetView` (the open events, the term's complete snapshots and the tracker's endings, taken
+at one moment) and decides everything from it. What the rule's node actions applied is undone only once the
+event is known to be over (a final status, or missing from two complete snapshots of this term), and only
+where this instance applied it: every ledger entry names its owner (forewarn.owner), and this instance's is its
+scope and Lease. Until the term's first complete snapshot, nothing is done to nodes at all.
+
 Safety, as in the per-VM agent: without a policy there is no approver, so nothing is acknowledged; an event no
 rule matches is held; only Scheduled events are approved; `--dry-run` (or the policy's `dry_run`) records
 what would be approved and sends nothing. An acknowledgement that fails is tried again after a backoff while
@@ -33,8 +39,10 @@ from forewarn.fleet.armid import COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS, 
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.nodes import NodeIndex
 from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
-from forewarn.fleet.tracker import FleetChange, event_key
+from forewarn.fleet.scope import FleetScope
+from forewarn.fleet.tracker import FleetChange, FleetView, event_key
 from forewarn.logs import StateLog
+from forewarn.owner import LEGACY
 from forewarn.records import Record, approval_record
 from forewarn.retry import Backoff
 from forewarn.tracker import Outcome
@@ -90,23 +98,25 @@ def place_of(event: FleetEvent) -> Place:
 
 
 class FleetApprover:
-    """Approves by `policy` the open events `open_events()` gives, through `acknowledger` (anything with
-    `acknowledge(target, event_ids)`), while `active()`; `record` commits records (the outbox)."""
+    """Approves by `policy` the open events of `view()` (FleetCommitter.view) within `scope`, through
+    `acknowledger` (anything with `acknowledge(target, event_ids)`), while `active()`; `record` commits
+    records (the outbox)."""
 
     name = "approver"
 
-    def __init__(self, policy: Policy, acknowledger: Any, open_events: Callable[[], Sequence[FleetEvent]],
+    def __init__(self, policy: Policy, acknowledger: Any, view: Callable[[], FleetView],
                  record: Callable[[Sequence[Record]], object], approvals: Any, dry_run: bool = False,
                  active: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
-                 tick: float = DEFAULT_TICK, nodes: FleetNodes | None = None,
-                 settled: Callable[[], bool] = lambda: True, hook_runs: Any = None) -> None:
+                 tick: float = DEFAULT_TICK, nodes: FleetNodes | None = None, hook_runs: Any = None,
+                 scope: FleetScope | None = None, held: Any = None) -> None:
         self.policy = policy
         self.nodes = nodes             # node actions (forewarn.fleet.nodeactions); None when no rule has any
-        self.settled = settled         # whether every open event is known (a complete snapshot in this term)
+        self.view = view
+        self.scope = scope or FleetScope()
         self.hook_runs = hook_runs     # the azure_scheduled_events_hook_runs_total counter, or None
+        self.held = held               # FleetMetrics' gauges of undos held back, or None
         self._hooks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fleet-hooks")
         self.acknowledger = acknowledger
-        self.open_events = open_events
         self.record = record
         self.approvals = approvals     # the azure_scheduled_events_approvals_total counter
         self.dry_run = dry_run or policy.dry_run
@@ -123,13 +133,16 @@ class FleetApprover:
         self._counts: Tally[str] = Tally()     # events in progress by group (scale set, availability set, VM)
         self._last_start = float("-inf")       # when the last event went in progress (rollout.stagger)
         self._nodes_state = StateLog(log, "Kubernetes nodes")
+        self._waiting_said = False             # said that nothing is done to nodes before a complete snapshot
+        self._held_said: set[tuple[str, str, str]] = set()   # (node, ledger key, reason) already recorded
         self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
 
     def ended(self, changes: Sequence[FleetChange]) -> None:
-        """Events that ended (the committer's `removed` changes, after its commit): what nodes hold for them is
-        undone at the next tick, also when this replica never acted for them (its predecessor did); after a
-        Preempt or Terminate that completed, the rule's `after_eviction` is carried out."""
+        """Events that ended (the committer's `removed` changes, after its commit): what this instance's entries
+        on nodes hold for them is undone at the next step that may touch nodes, also when this replica never
+        acted for them (its predecessor under the same Lease did); after a Preempt or Terminate that completed,
+        the rule's `after_eviction` is carried out."""
         self._recover(changes)
         if self.nodes is not None:
             with self._lock:
@@ -182,28 +195,36 @@ class FleetApprover:
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target. A replica that
-        is not the active one (its term ending) starts nothing: no node action, undo or acknowledgement."""
+        is not the active one (its term ending) starts nothing: no node action, undo or acknowledgement.
+        Everything is decided from one view, read first; the nodes are read after it, so a ledger entry this
+        instance wrote is never newer than the view that made it write it."""
         if not self.active():
             return
-        events = {event_key(event): event for event in self.open_events()}
-        index = self._node_index(events)   # a Kubernetes request, outside the lock
+        view = self.view()
+        events = {event_key(event): event for event in view.open_events if self.scope.contains(event)}
+        index = self._node_index(view)   # Kubernetes requests, outside the lock
         with self._lock:
-            due = self._decide(events, index)
+            due = self._decide(view, events, index)
         for target, batch in due.items():
             batch = self._within_cap(batch, self.clock())
             if not batch or (stop is not None and stop.is_set()) or not self.active():
                 continue
             self._approve(target, batch)
 
-    def _decide(self, events: dict[tuple[str, str], FleetEvent],
+    def _decide(self, view: FleetView, events: dict[tuple[str, str], FleetEvent],
                 index: NodeIndex | None) -> dict[str, list[tuple[FleetEvent, str]]]:
         from forewarn.fleet.handover import key_digest
 
         now = self.clock()
         for key in [key for key in self._tracks if key not in events]:
-            ended = self._tracks.pop(key)   # ended: what its node actions applied is undone, then it is forgotten
-            if ended.nodes and self.nodes is not None:
-                self.nodes.undo(ended.event.event, ended.nodes, self.dry_run, ended.event)
+            gone = self._tracks[key]
+            if not view.over(gone.event.event_id):
+                continue   # not open in this view, yet not known to be over (a commit that failed): kept
+            if gone.nodes and self.nodes is not None and index is None:
+                continue   # over, but the nodes cannot be touched now: undone at a later step
+            del self._tracks[key]   # over: what its node actions applied is undone, then it is forgotten
+            if gone.nodes and self.nodes is not None:
+                self.nodes.undo(gone.event.event, gone.nodes, self.dry_run, gone.event, legacy=True)
         live = {id(track) for track in self._tracks.values()}
         self._digests = {digest: track for digest, track in self._digests.items() if id(track) in live}
         self._counts = Tally(track.event.resource_id.lower() for track in self._tracks.values()
@@ -308,12 +329,22 @@ class FleetApprover:
         self._last_start = now
         return True
 
-    def _node_index(self, events: dict[tuple[str, str], FleetEvent]) -> NodeIndex | None:
-        """The cluster's nodes (None: no node actions, or the API cannot be read now); when read afresh, what
-        their ledgers hold for events no longer open is undone (left by an earlier term, or a missed end)."""
+    def _node_index(self, view: FleetView) -> NodeIndex | None:
+        """The cluster's nodes (None: no node actions, the API cannot be read now, or this term has no complete
+        snapshot yet, so nothing may be done to nodes). Undoes this instance's entries for the events that
+        ended and, when the nodes were read afresh, for every event `view` knows to be over."""
         if self.nodes is None:
             return None
-        from forewarn.fleet.nodeactions import left_over
+        if not view.ready_for_nodes:
+            if not self._waiting_said:
+                log.warning("no complete Resource Graph snapshot in this term yet: nothing is done to nodes (no node "
+                            "action, no undo) until one is committed")
+                self._waiting_said = True
+            self._set_held(waiting=1)
+            return None
+        if self._waiting_said:
+            log.info("a complete Resource Graph snapshot was committed: node actions and undos go ahead")
+            self._waiting_said = False
         from forewarn.node.kube import KubeError
 
         try:
@@ -324,28 +355,79 @@ class FleetApprover:
         self._nodes_state.ok()
         with self._lock:
             ended, self._ended = self._ended, []
-        tracked = {key for key, track in self._tracks.items() if track.nodes}
-        for change in ended:
+            tracked = {key for key, track in self._tracks.items() if track.nodes}
+        for change in ended:   # known over: a final status, or missing from two complete snapshots in a row
             event = change.event
-            holding = {node: "" for node, held in index.held.items() if event.event.event_id in held}
-            if holding and event_key(event) not in tracked:   # another replica acted: the ledgers say where
-                self.nodes.undo(event.event, holding, self.dry_run, None)
+            holding = self._holding(index, event.event.event_id)
+            if holding and event_key(event) not in tracked:   # tracked ones are undone by _decide, from its track
+                self.nodes.undo(event.event, holding, self.dry_run, None, legacy=True)
             if change.outcome is Outcome.COMPLETED and event.event.event_type in GONE_TYPES:
                 seen = change.previous or event
                 rule, _ = first_match(self.policy, seen.event, None, self.clock(), place_of(seen))
                 if rule is not None and rule.after_eviction:
                     self.nodes.after_eviction(event, rule, self.nodes.nodes_of(event, index), self.dry_run)
-        if fresh and index.out_of_service:
-            self.nodes.back_in_service(sorted(index.out_of_service), self.dry_run)
-        if fresh and self.settled():
-            open_ids = {event.event.event_id for event in events.values()}
-            for node, held in index.held.items():
-                for event_id in held:
-                    if event_id not in open_ids:
-                        log.warning("node %s holds what forewarn applied for event %s, which is no longer open: "
-                                    "undoing it", node, event_id)
-                        self.nodes.undo(left_over(event_id), {node: ""}, self.dry_run, None)
+        if fresh:
+            mine = self.nodes.owner.id
+            from forewarn.fleet.gone import mark_is_mine
+
+            back = sorted(node for node, mark in index.out_of_service.items() if mark_is_mine(mark, mine))
+            if back:
+                self.nodes.back_in_service(back, self.dry_run)
+            self._reconcile(view, index)
         return index
+
+    def _holding(self, index: NodeIndex, event_id: str) -> dict[str, str]:
+        """The nodes whose ledger has an entry of this instance (or a legacy one) for `event_id`."""
+        mine, wanted = self.nodes.owner.id if self.nodes is not None else "", event_id.lower()
+        return {node: "" for node, refs in index.held.items()
+                if any(ref.event_id.lower() == wanted and ref.owner_id in (mine, LEGACY) for ref in refs)}
+
+    def _reconcile(self, view: FleetView, index: NodeIndex) -> None:
+        """Every ledger entry on the nodes just read, against `view`: this instance's entries for events known
+        to be over are undone (left by an earlier term, a killed predecessor, or a missed end); legacy entries
+        (written before owners) only when the tracker knows their event ended; everything else is held, and
+        said once (a log line, a `held` record for this instance's entries, the gauges)."""
+        from forewarn.fleet.nodeactions import left_over
+
+        assert self.nodes is not None
+        mine = self.nodes.owner.id
+        held: Tally[str] = Tally()
+        present = {(node, ref.key) for node, refs in index.held.items() for ref in refs}
+        self._held_said = {said for said in self._held_said if said[:2] in present}
+        for node, refs in index.held.items():
+            for ref in refs:
+                if ref.owner_id not in (mine, LEGACY):
+                    held["other_owner"] += 1   # the per-VM agent's, or another fleet instance's: never ours to undo
+                    continue
+                if ref.event_id.lower() in view.open_ids:
+                    continue                   # open: its actions are resumed by acting again
+                if ref.legacy and not view.ended(ref.event_id):
+                    self._hold(node, ref.key, ref.event_id, "legacy", held,
+                               "an entry from a version before owners; undone here only once this instance's feeds "
+                               "say its event ended (the per-VM agent of the node undoes it when the event leaves "
+                               "its IMDS document)")
+                    continue
+                if not view.over(ref.event_id):
+                    self._hold(node, ref.key, ref.event_id, "not_known_over", held,
+                               f"not open, but not known to be over either ({view.complete_snapshots} complete "
+                               "snapshot(s) in this term; two without it, or a final status, are needed)")
+                    continue
+                log.warning("node %s holds what this instance applied for event %s, which is over: undoing it", node,
+                            ref.event_id)
+                self.nodes.undo(left_over(ref.event_id), {node: ""}, self.dry_run, None, legacy=ref.legacy)
+        self._set_held(held)
+
+    def _hold(self, node: str, key: str, event_id: str, reason: str, held: Tally[str], why: str) -> None:
+        held[reason] += 1
+        if (node, key, reason) in self._held_said:
+            return
+        self._held_said.add((node, key, reason))
+        assert self.nodes is not None
+        self.nodes.held(event_id, node, f"undo held back ({reason}): node {node}, entry {key}: {why}")
+
+    def _set_held(self, held: Tally[str] | None = None, waiting: int = 0) -> None:
+        if self.held is not None:
+            self.held.set(held or Tally(), waiting)
 
     def _acted(self, track: _Track, rule: Rule, index: NodeIndex | None) -> bool:
         """Whether the rule's node actions are done with for this event (and the decision may go on): starts

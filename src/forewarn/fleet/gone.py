@@ -6,7 +6,8 @@ can move. A rule's `after_eviction` (fleet mode only, opt-in) ends that wait onc
 - `out_of_service`: the taint `node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`, which Kubernetes
   documents for exactly this (non-graceful node shutdown): pods without a matching toleration are deleted
   at once and their volumes detach. forewarn marks the node with the annotation `forewarn.io/out-of-service`
-  (the event's id) and takes its taint back off once the node is Ready again, never one it did not set;
+  (`{EventId}@{owner id}`, forewarn.owner) and, once the node is Ready again, the instance that set it takes
+  its taint back off, never one another instance or anyone else set;
 - `delete_node`: delete the Node object (the VM will not come back as this node).
 Never for a node that is Ready: a Ready node is running, whatever the event said.
 """
@@ -33,6 +34,12 @@ def _ours(taint: dict[str, Any]) -> bool:
     return taint.get("key") == OUT_OF_SERVICE["key"] and taint.get("effect") == OUT_OF_SERVICE["effect"]
 
 
+def mark_is_mine(mark: str, owner_id: str) -> bool:
+    """Whether the out-of-service mark `mark` was set by `owner_id` (a mark without an owner, set before owners
+    existed, is taken back by any fleet instance: only a Ready node loses it, and only forewarn's taint)."""
+    return "@" not in mark or mark.split("@", 1)[1] == owner_id
+
+
 class GoneNode(NodeHandle):
     """The Node of a VM that is gone."""
 
@@ -49,7 +56,9 @@ class GoneNode(NodeHandle):
             taints = list((node.get("spec") or {}).get("taints") or [])
             if any(_ours(taint) for taint in taints):
                 return None, f"node {self.node} is already out of service"
-            return ({"metadata": {"annotations": {MARK: event_id}}, "spec": {"taints": [*taints, OUT_OF_SERVICE]}},
+            patch = {"metadata": {"annotations": {MARK: self.key(event_id)}},
+                     "spec": {"taints": [*taints, OUT_OF_SERVICE]}}
+            return (patch,
                     f"tainted node {self.node} out of service (node.kubernetes.io/out-of-service=nodeshutdown:"
                     "NoExecute): its pods go and their volumes detach")
         detail = self.update_node(change, dry_run)
@@ -63,9 +72,9 @@ class GoneNode(NodeHandle):
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             nonlocal event_id
             annotations = (node.get("metadata") or {}).get("annotations") or {}
-            if MARK not in annotations:
+            if MARK not in annotations or not mark_is_mine(str(annotations[MARK]), self.owner.id):
                 return None, ""
-            event_id = str(annotations[MARK])
+            event_id = str(annotations[MARK]).split("@", 1)[0]
             if not is_ready(node):
                 return None, ""
             taints = [t for t in (node.get("spec") or {}).get("taints") or [] if not _ours(t)]

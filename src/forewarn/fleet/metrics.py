@@ -9,8 +9,8 @@ The per-VM agent's scrape-time countdown is left out: at 10,000 series it would 
 event_status, event_source}` counts events (not VMs) as the per-VM agent does, and
 `azure_scheduled_events_by_scope` the same by `subscription_id` and `resource_group`. Counters and delivery
 families keep their names. Source health is new: `azure_scheduled_events_source_up{source}`,
-`..._source_last_success_timestamp_seconds`, the queue's message counts, Resource Graph's quota and the last
-reconcile's duration.
+`..._source_last_success_timestamp_seconds`, the queue's message counts, the events outside the scope, Resource
+Graph's quota and the last reconcile's duration.
 
 The scrape reads an immutable snapshot that the service replaces after each commit: no lock is held
 while rendering, and a scrape never waits for a source.
@@ -38,6 +38,8 @@ from forewarn.web.server import Request, Response, Stream
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
 PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
+#: The sources whose events are checked against the scope here; Resource Graph's query holds the scope itself.
+SCOPED_SOURCES = ("queue", "eventgrid")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,31 @@ class FleetView:
     reconcile_seconds: float | None = None
     #: (resource, EventId) -> (status, when it was first seen in that status)
     status_since: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+
+
+class UndoHeld:
+    """Why fleet mode holds back undos on nodes now: the ledger entries it left alone at its last read of the
+    nodes, by reason, and whether it waits for the term's first complete snapshot before touching any node."""
+
+    REASONS = ("other_owner", "legacy", "not_known_over")
+
+    def __init__(self, registry: Registry) -> None:
+        self.entries = Gauge("azure_scheduled_events_fleet_undo_held",
+                             "Node ledger entries whose undo this instance holds back, at its last read of the nodes, "
+                             "by reason: other_owner (the per-VM agent's or another fleet instance's: never undone "
+                             "here), legacy (written before owners; undone once the feeds say its event ended), "
+                             "not_known_over (not open, not known to be over yet).", ["reason"], registry=registry)
+        for reason in self.REASONS:
+            self.entries.labels(reason)
+        self.waiting = Gauge("azure_scheduled_events_fleet_nodes_waiting_for_snapshot",
+                             "1 while the active replica does nothing to nodes (no node action, no undo) because its "
+                             "term has no complete Resource Graph snapshot yet.", registry=registry)
+
+    def set(self, held: Mapping[str, int], waiting: int) -> None:
+        self.waiting.set(waiting)
+        if not waiting:
+            for reason in self.REASONS:
+                self.entries.labels(reason).set(held.get(reason, 0))
 
 
 class FleetMetrics:
@@ -108,6 +135,7 @@ class FleetMetrics:
         self.vms_without_node = Counter("azure_scheduled_events_fleet_vms_without_node_total",
                                         "VMs of events with node actions that are no node of this cluster (left "
                                         "alone).", registry=r)
+        self.undo_held = UndoHeld(r)
         self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
                                    "Changes not announced because the previous active replica had announced them "
                                    "(the Lease's handover).", registry=r)
@@ -118,8 +146,14 @@ class FleetMetrics:
                                      "Event Grid push requests, by result: accepted (committed), validated (a "
                                      "handshake), unauthorized, invalid, failed (not committed: retried).",
                                      ["result"], registry=r)
+        self.out_of_scope = Counter("azure_scheduled_events_out_of_scope_total",
+                                    "Events from the queue or an Event Grid push outside this instance's scope "
+                                    "(--subscription, --resource-group): not recorded, by source.", ["source"],
+                                    registry=r)
         for name in SOURCES:
             self.source_errors.labels(name)
+        for name in SCOPED_SOURCES:
+            self.out_of_scope.labels(name)
         for event_type in EVENT_TYPES:
             for result in ("approved", "dry_run", "failed"):
                 self.approvals.labels(event_type, result)
@@ -157,6 +191,9 @@ class FleetMetrics:
         with self._lock:
             last = self._view.sources.get(source, SourceHealth()).last_success
             self._view = replace(self._view, sources={**self._view.sources, source: SourceHealth(False, last)})
+
+    def left_out_of_scope(self, source: str, count: int) -> None:
+        self.out_of_scope.labels(source).inc(count)
 
     def reconciled(self, seconds: float, quota_remaining: float | None) -> None:
         with self._lock:

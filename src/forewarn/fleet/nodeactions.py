@@ -9,10 +9,12 @@ clamped to NotBefore, the cluster-wide cap on nodes draining at once (drain Leas
 `forewarn.io/node-actions: disabled` opt-out, and undo of only what forewarn applied. Every outcome and every
 step of a drain is a record through the outbox, as in the per-VM agent, naming the node and the VM.
 
-What is applied is undone when the event ends. A replica that takes over (or restarts) reads the ledgers of
-all nodes at the start of its term and every `refresh` seconds: what a node holds for an event that is no
-longer open is undone, so no node stays cordoned by forewarn after its event, whichever replica applied it;
-what it holds for an open event is resumed by acting again.
+Every entry this instance writes in a node's ledger names it as the owner (forewarn.owner: its scope and
+Lease), so the replicas under one Lease share their entries and nobody else's are touched. What is applied
+is undone once the event is known to be over (forewarn.fleet.approval decides when); a replica that takes
+over (or restarts) reads the ledgers of all nodes every `refresh` seconds and undoes its instance's entries
+for events known to be over, whichever replica applied them; what they hold for an open event is resumed by
+acting again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from forewarn.fleet.nodes import NodeIndex, load_nodes
 from forewarn.fleet.records import FLEET_INCARNATION, fleet_vm
 from forewarn.imds.document import Event
 from forewarn.imds.instance import VmInfo
+from forewarn.owner import Owner
 from forewarn.records import Record
 
 log = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ class FleetNodes:
 
     def __init__(self, make_client: Callable[[threading.Event], Any], record: Callable[[Sequence[Record]], object],
                  metrics: Any, clock: Callable[[], float] = time.time, refresh: float = DEFAULT_REFRESH,
-                 workers: int = 8, poll: float = 1.0) -> None:
+                 workers: int = 8, poll: float = 1.0, owner: Owner | None = None) -> None:
         self.make_client = make_client
+        self.owner = owner or Owner.fleet("any")   # whose ledger entries these are (FleetScope.owner)
         self.record = record
         self.metrics = metrics
         self.clock = clock
@@ -104,13 +108,20 @@ class FleetNodes:
         parts = [self._pool.submit(self._act_one, event, rule, node, vm, dry_run) for node, vm in nodes.items()]
         return _all(parts)
 
-    def undo(self, event: Event, nodes: Mapping[str, str], dry_run: bool, fleet_event: FleetEvent | None) -> None:
-        """Take back what was applied for `event` on each of `nodes` (node -> VM ID, or node -> "" when the VM is
-        not known), on the pool."""
+    def undo(self, event: Event, nodes: Mapping[str, str], dry_run: bool, fleet_event: FleetEvent | None,
+             legacy: bool = False) -> None:
+        """Take back what this instance's entries hold for `event` on each of `nodes` (node -> VM ID, or node ->
+        "" when the VM is not known), on the pool; with `legacy`, also a legacy entry (one without an owner)."""
         if self._pool is None:
             return
         for node, vm in nodes.items():
-            self._pool.submit(self._undo_one, event, node, vm, dry_run, fleet_event)
+            self._pool.submit(self._undo_one, event, node, vm, dry_run, fleet_event, legacy)
+
+    def held(self, event_id: str, node: str, detail: str) -> None:
+        """Say that an undo on `node` is held back, and why: a log line and a `node_action` record (action
+        `undo`, result `held`)."""
+        log.warning("%s", detail)
+        self._reporter(left_over(event_id), VmInfo(name=node), node, None)(ActionOutcome("undo", "held", detail))
 
     def after_eviction(self, event: FleetEvent, rule: Rule, nodes: Mapping[str, str], dry_run: bool) -> None:
         """`rule.after_eviction` on each of `nodes` (forewarn.fleet.gone), on the pool."""
@@ -132,7 +143,7 @@ class FleetNodes:
 
         action = rule.after_eviction or ""
         report = self._reporter(event.event, self._vm(event, vm, node), node, rule.name)
-        handle = GoneNode(self._client, node, stopping=self._stop)
+        handle = GoneNode(self._client, node, stopping=self._stop, owner=self.owner)
         try:
             result, detail = (handle.out_of_service(event.event.event_id, dry_run) if action == "out_of_service"
                               else handle.delete(dry_run))
@@ -147,7 +158,8 @@ class FleetNodes:
         from forewarn.node.kube import KubeError
 
         try:
-            event_id, detail = GoneNode(self._client, node, stopping=self._stop).back_in_service(dry_run)
+            handle = GoneNode(self._client, node, stopping=self._stop, owner=self.owner)
+            event_id, detail = handle.back_in_service(dry_run)
         except KubeError as exc:
             log.error("node %s: taking the out-of-service taint off failed: %s", node, exc)
             return
@@ -159,7 +171,7 @@ class FleetNodes:
     def _actor(self, node: str) -> Any:
         from forewarn.node.actions import KubeNodeActor
 
-        return KubeNodeActor(self._client, node, poll=self.poll, stopping=self._stop,
+        return KubeNodeActor(self._client, node, poll=self.poll, stopping=self._stop, owner=self.owner,
                              draining=lambda count: self._count(self._draining, node, count),
                              blocked=lambda since: self._count(self._blocked, node, since))
 
@@ -171,10 +183,11 @@ class FleetNodes:
             log.exception("node actions for event %s on node %s failed unexpectedly", event.event.event_id, node)
             return False
 
-    def _undo_one(self, event: Event, node: str, vm: str, dry_run: bool, fleet_event: FleetEvent | None) -> None:
+    def _undo_one(self, event: Event, node: str, vm: str, dry_run: bool, fleet_event: FleetEvent | None,
+                  legacy: bool) -> None:
         try:
             self._actor(node).undo(event.event_id, dry_run,
-                                   self._reporter(event, self._vm(fleet_event, vm, node), node, None))
+                                   self._reporter(event, self._vm(fleet_event, vm, node), node, None), legacy=legacy)
         except Exception:
             log.exception("undoing the node actions of event %s on node %s failed unexpectedly", event.event_id,
                           node)

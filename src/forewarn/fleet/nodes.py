@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from forewarn.owner import EntryRef
+
 PROVIDER_PREFIX = "azure://"
 _SCALE_SET_INSTANCE = re.compile(
     r"/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.Compute/"
@@ -55,14 +57,14 @@ def key_of_vm_id(vm_resource_id: str) -> VmKey | None:
 
 class NodeIndex:
     """The nodes of one cluster by the VM each runs on, and what forewarn holds on each (`held`: node name ->
-    the event ids its ledger, the forewarn.io/applied annotation, has entries for)."""
+    the entries of its ledger, the forewarn.io/applied annotation, each with its event id and owner)."""
 
-    def __init__(self, nodes: Iterable[tuple[str, str]], held: dict[str, list[str]] | None = None,
-                 out_of_service: Iterable[str] = ()) -> None:
+    def __init__(self, nodes: Iterable[tuple[str, str]], held: dict[str, list[EntryRef]] | None = None,
+                 out_of_service: Iterable[tuple[str, str]] = ()) -> None:
         """`nodes`: (node name, providerID) pairs; nodes without an Azure providerID are left out.
-        `out_of_service`: the nodes forewarn tainted out of service (forewarn.fleet.gone)."""
+        `out_of_service`: (node, mark) for the nodes forewarn tainted out of service (forewarn.fleet.gone)."""
         self.held = dict(held or {})
-        self.out_of_service = frozenset(out_of_service)
+        self.out_of_service = dict(out_of_service)
         self._by_vm: dict[VmKey, str] = {}
         for name, provider_id in nodes:
             key = key_of_provider_id(provider_id or "")
@@ -83,9 +85,11 @@ def load_nodes(client: Any) -> NodeIndex:
     from lightkube.resources.core_v1 import Node
 
     from forewarn.fleet.gone import MARK
-    from forewarn.node.nodeapi import ledger_of
+    from forewarn.node.nodeapi import entries, ledger_of
 
-    pairs, held, marked = [], {}, []
+    pairs: list[tuple[str, str]] = []
+    held: dict[str, list[EntryRef]] = {}
+    marked: list[tuple[str, str]] = []
     for node in client.list(Node):
         name = node.metadata.name if node.metadata is not None else None
         provider_id = node.spec.providerID if node.spec is not None else None
@@ -93,7 +97,7 @@ def load_nodes(client: Any) -> NodeIndex:
             pairs.append((name, provider_id))
         ledger = ledger_of(node.to_dict()) if name else {}
         if ledger and name:
-            held[name] = sorted(ledger)
+            held[name] = entries(ledger)
         if name and node.metadata is not None and MARK in (node.metadata.annotations or {}):
-            marked.append(name)
+            marked.append((name, str((node.metadata.annotations or {})[MARK])))
     return NodeIndex(pairs, held, marked)

@@ -32,11 +32,13 @@ from forewarn.fleet import handover
 from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_records
+from forewarn.fleet.scope import FleetScope, ScopeGate
 from forewarn.fleet.state import PREFIX, changed_state, load
-from forewarn.fleet.tracker import FleetChange, FleetTracker
+from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox, StoreError
+from forewarn.owner import Owner
 from forewarn.poller import DeliveryMetrics, OutboxMetrics
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
@@ -83,8 +85,13 @@ class FleetCommitter:
         self._lock = threading.Lock()
         #: Digests of what the previous Lease holder announced (forewarn.fleet.handover), not announced again.
         self._inherited: set[bytes] = set()
-        #: Complete snapshots committed in this term: after one, the open events are all known (settled()).
+        #: Complete snapshots committed in this term (each started after the term began): after one, the open
+        #: events are all known; an event missing from two of them is over (FleetView).
         self.complete_snapshots = 0
+        self._term_started = float("-inf")
+        #: Whether Resource Graph is a source (set by run_fleet): then nothing is done to nodes before the term's
+        #: first complete snapshot.
+        self.snapshots_expected = False
         #: Called with the changes that ended events, after each commit (the approver undoes their node actions).
         self.on_ended: Callable[[list[FleetChange]], None] = lambda changes: None
         #: Called after each commit that changed something (the approver looks at once).
@@ -109,6 +116,14 @@ class FleetCommitter:
         """The open events as last committed (for the approver, on its own thread)."""
         with self._lock:
             return self.tracker.open_events
+
+    def view(self) -> FleetView:
+        """The open events, the term's complete snapshots and the tracker's memory of endings, at one moment
+        (the approver reads this once per step)."""
+        with self._lock:
+            tracker = self.tracker
+            return FleetView(tuple(tracker.open_events), self.complete_snapshots, self.snapshots_expected,
+                             tracker.has_ended)
 
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
         """Events from a push or a queue message; returns once their changes are committed (or raises)."""
@@ -136,21 +151,19 @@ class FleetCommitter:
             self._commit(changes, now)
             if complete:  # what the predecessor announced and is not open now has ended: no longer needed
                 self._inherited.clear()
-                self.complete_snapshots += 1
+                # A snapshot read before this term began (a source thread of an earlier term) is not counted:
+                # "missing from two complete snapshots" must mean two views taken while this replica acted.
+                self.complete_snapshots += started_at >= self._term_started
             return changes
 
     # --- the Lease's handover (forewarn.fleet.handover) ---------------------------------------------------
-    def settled(self) -> bool:
-        """Whether a complete Resource Graph snapshot was committed in this term: then the open events are all
-        known, and what a node holds for any other event is over."""
-        return self.complete_snapshots > 0
-
     def inherit(self, annotation: str | None) -> None:
         """At the start of a term: what the previous holder announced, from the Lease it left."""
         inherited = handover.decode(annotation)
         with self._lock:
             self._inherited = set(inherited)
             self.complete_snapshots = 0
+            self._term_started = self.clock()
         if inherited:
             log.info("the previous active replica announced %d open event(s); their news is not announced again",
                      len(inherited))
@@ -221,9 +234,14 @@ class ResourceGraphSource:
     interval: float
     committer: FleetCommitter
     metrics: FleetMetrics
+    #: Only these resource groups' events (all when empty): the query filters them, so no row of another
+    #: one is read, and a complete snapshot ends what left them as it ends what ended.
+    resource_groups: Sequence[str] = ()
 
     def run(self, stop: threading.Event) -> None:
-        from forewarn.fleet.resourcegraph import ResourceGraphError, Stopped
+        from forewarn.fleet.resourcegraph import ResourceGraphError, Stopped, scheduled_events_query
+
+        query = scheduled_events_query(resource_groups=self.resource_groups)
 
         state = StateLog(log, "Resource Graph")
         unreadable: set[str] = set()
@@ -243,9 +261,11 @@ class ResourceGraphSource:
             started = time.time()
             try:
                 if self.subscriptions:
-                    snapshot = self.client.snapshot(subscriptions=list(self.subscriptions), convert=event_of)
+                    snapshot = self.client.snapshot(subscriptions=list(self.subscriptions), query=query,
+                                                    convert=event_of)
                 else:
-                    snapshot = self.client.snapshot(management_groups=list(self.management_groups), convert=event_of)
+                    snapshot = self.client.snapshot(management_groups=list(self.management_groups), query=query,
+                                                    convert=event_of)
             except Stopped:
                 return
             except ResourceGraphError as exc:
@@ -286,14 +306,18 @@ class QueueReader:
     source: Any  # QueueSource (imported only when configured)
     committer: FleetCommitter
     metrics: FleetMetrics
+    gate: ScopeGate
 
     def _commit_then_delete(self, deliveries: Sequence[Any]) -> None:
         """The events of one receive committed in one transaction, then each message deleted: a message
-        leaves the queue only once its change is on disk, and a receive of 32 costs one commit, not 32."""
+        leaves the queue only once its change is on disk, and a receive of 32 costs one commit, not 32.
+        Events outside the scope are left out, and a message of only such events is deleted all the same:
+        it was never this instance's (instances with other scopes read queues of their own)."""
         now = time.time()
         events = [event for delivery in deliveries for event in delivery.events]
         try:
-            self.committer.news(events)
+            # Even with nothing left to commit: a standby's news() refuses, and the messages stay for the holder.
+            self.committer.news(self.gate.keep(events, "queue"))
         except NotActive:
             return  # the term is over: the messages come back to the active replica
         except Exception:
@@ -333,6 +357,9 @@ def run_fleet(settings: FleetSettings) -> int:
                           "--eventgrid-secret-file (make one with: openssl rand -hex 32)")
     if settings.subscription and settings.management_group:
         raise ConfigError("--subscription and --management-group: give one scope or the other")
+    # --resource-group narrows whichever scope there is: alone (queue and push only), it means those
+    # resource groups in every subscription the queue or push brings.
+    scope = FleetScope.of(settings.subscription, settings.management_group, settings.resource_group)
     policy = load_fleet_policy(settings)
     stop = threading.Event()
     handle_signals(stop)
@@ -342,6 +369,7 @@ def run_fleet(settings: FleetSettings) -> int:
     sources = (["resourcegraph"] if settings.subscription or settings.management_group else []) + \
         (["queue"] if settings.queue_url else []) + (["eventgrid"] if settings.eventgrid_path else [])
     metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version)
+    gate = ScopeGate(scope, metrics.left_out_of_scope)
     sinks = build_sinks(settings.sink, settings)
     server = web_server(settings, web_gate(settings))
     elector = build_elector(settings)
@@ -362,19 +390,20 @@ def run_fleet(settings: FleetSettings) -> int:
     for sink in sinks:
         metrics.add_sink(sink.name)
     committer = FleetCommitter(outbox, metrics, active=metrics.active)
+    committer.snapshots_expected = "resourcegraph" in sources
     runners: list[Source] = []
     closers: list[Callable[[], None]] = []
     if "resourcegraph" in sources:
         client = build_resource_graph(settings, stop)
         closers.append(client.close)
         runners.append(ResourceGraphSource(client, settings.subscription, settings.management_group,
-                                           settings.reconcile_interval, committer, metrics))
+                                           settings.reconcile_interval, committer, metrics, scope.resource_groups))
     if "queue" in sources:
         queue = build_queue(settings)
         closers.append(queue.close)
-        runners.append(QueueReader(queue, committer, metrics))
+        runners.append(QueueReader(queue, committer, metrics, gate))
     if "eventgrid" in sources:
-        add_push(settings, server, committer, metrics)
+        add_push(settings, server, committer, metrics, gate)
     approver: FleetApprover | None = None
     if policy is not None:
         from forewarn.fleet.approval import FleetApprover
@@ -382,10 +411,12 @@ def run_fleet(settings: FleetSettings) -> int:
         acknowledger = build_acknowledger(settings, stop)
         closers.append(acknowledger.close)
         record = committer.outbox.append
-        approver = FleetApprover(policy, acknowledger, committer.open_events, record, metrics.approvals,
+        owner = fleet_owner(settings, elector)
+        approver = FleetApprover(policy, acknowledger, committer.view, record, metrics.approvals,
                                  dry_run=settings.dry_run, active=committer.active,
-                                 nodes=build_fleet_nodes(settings, record, metrics) if policy.uses_node_actions
-                                 else None, settled=committer.settled, hook_runs=metrics.hook_runs)
+                                 nodes=build_fleet_nodes(settings, record, metrics, owner) if policy.uses_node_actions
+                                 else None, hook_runs=metrics.hook_runs, scope=fleet_scope(settings),
+                                 held=metrics.undo_held)
         committer.on_ended, committer.on_committed = approver.ended, approver.wake
         runners.append(approver)
 
@@ -470,8 +501,19 @@ def build_credential(settings: FleetSettings) -> Any:
     return DefaultAzureCredential(exclude_interactive_browser_credential=True)
 
 
+def fleet_scope(settings: FleetSettings) -> FleetScope:
+    """This instance's scope: the events it records and acts on (forewarn.fleet.scope)."""
+    return FleetScope.of(settings.subscription, settings.management_group, settings.resource_group)
+
+
+def fleet_owner(settings: FleetSettings, elector: Any) -> Owner:
+    """The owner its node actions' ledger entries name: its scope and its Lease (`namespace/name`), so that the
+    replicas under one Lease share them and another instance in the same cluster never takes them."""
+    return fleet_scope(settings).owner(f"{elector.namespace}/{elector.name}" if elector is not None else "")
+
+
 def build_fleet_nodes(settings: FleetSettings, record: Callable[[Sequence[Any]], object],
-                      metrics: FleetMetrics) -> Any:
+                      metrics: FleetMetrics, owner: Owner) -> Any:
     """Node actions from fleet mode (a policy rule with `node`): a Kubernetes client per term, from --kubeconfig
     or the in-cluster service account; checked now, so a missing one stops start-up."""
     try:
@@ -483,7 +525,7 @@ def build_fleet_nodes(settings: FleetSettings, record: Callable[[Sequence[Any]],
         make_client(settings.kubeconfig).close()
     except KubeError as exc:
         raise ConfigError(f"the policy has node actions, which need the Kubernetes API: {exc}") from None
-    return FleetNodes(lambda stop: make_client(settings.kubeconfig, stop=stop), record, metrics)
+    return FleetNodes(lambda stop: make_client(settings.kubeconfig, stop=stop), record, metrics, owner=owner)
 
 
 def build_acknowledger(settings: FleetSettings, stop: threading.Event) -> Any:
@@ -519,8 +561,10 @@ def build_elector(settings: FleetSettings) -> Any:
         raise ConfigError(f"--lease-seconds: {exc}") from None
 
 
-def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommitter, metrics: FleetMetrics) -> None:
-    """The Event Grid push route on the web server: 200 only once the events are committed."""
+def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommitter, metrics: FleetMetrics,
+             gate: ScopeGate) -> None:
+    """The Event Grid push route on the web server: 200 only once the events are committed. Events outside
+    the scope are left out and answered 200 as well: any other answer, Event Grid would retry for a day."""
     from forewarn.fleet.push import add_eventgrid_route
 
     assert settings.eventgrid_path is not None and settings.eventgrid_secret is not None
@@ -534,7 +578,7 @@ def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommit
 
     try:
         add_eventgrid_route(server, settings.eventgrid_path, secret=settings.eventgrid_secret,
-                            accept=committer.news, on_result=pushed)
+                            accept=lambda events: committer.news(gate.keep(events, "eventgrid")), on_result=pushed)
     except ValueError as exc:
         raise ConfigError(f"FOREWARN_EVENTGRID_SECRET / --eventgrid-secret-file: {exc}") from None
     if not settings.web_config_file:

@@ -21,9 +21,9 @@ metrics read the same in both modes. Everything here is pure: the caller passes 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
 
@@ -85,6 +85,39 @@ class FleetChange:
         return f"{self.kind}:{fingerprint(self.event)}:{self.ended_by or ''}"
 
 
+@dataclass(frozen=True)
+class FleetView:
+    """What the approver reads in one step, taken at one moment (under the committer's lock), so that open
+    events, snapshots and endings never come from two different moments.
+
+    `ended(event_id)` asks the tracker's memory of ended events: an ending is final, so asking it later can only
+    learn more, never contradict `open_events`."""
+
+    open_events: tuple[FleetEvent, ...]
+    #: Complete Resource Graph snapshots committed in this term (started after it began).
+    complete_snapshots: int = 0
+    #: Whether Resource Graph is a source: if so, nothing is done to nodes before the term's first complete
+    #: snapshot, since until then the open events are not all known.
+    snapshots_expected: bool = False
+    ended: Callable[[str], bool] = lambda event_id: False
+    #: The open events' EventIds in lower case (what a node's ledger names).
+    open_ids: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "open_ids", frozenset(event.event_id.lower() for event in self.open_events))
+
+    @property
+    def ready_for_nodes(self) -> bool:
+        return not self.snapshots_expected or self.complete_snapshots > 0
+
+    def over(self, event_id: str) -> bool:
+        """Whether `event_id` is known to be over: the tracker ended it (a final status, or missing from two
+        complete snapshots in a row), or it is not open and two complete snapshots of this term lacked it."""
+        if event_id.lower() in self.open_ids:
+            return False
+        return self.ended(event_id) or self.complete_snapshots >= MISSING_SNAPSHOTS
+
+
 @dataclass
 class _Open:
     event: FleetEvent
@@ -99,6 +132,7 @@ class FleetTracker:
                  now: float = 0.0) -> None:
         self._open: dict[tuple[str, str], _Open] = {event_key(e): _Open(e, now) for e in open_events}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict((key, None) for key in ended)
+        self._ended_ids: Counter[str] = Counter(event_id for _, event_id in self._ended)   # by EventId
         self._deliveries: OrderedDict[str, None] = OrderedDict()
         self._forgotten: list[tuple[str, str]] = []  # ended events pushed out of memory since the last take
         self.duplicates = 0      # deliveries dropped by id
@@ -178,6 +212,10 @@ class FleetTracker:
                                            EndedBy.MISSING))
         return changes
 
+    def has_ended(self, event_id: str) -> bool:
+        """Whether an event with this EventId (any target) is remembered as ended."""
+        return self._ended_ids[event_id.lower()] > 0
+
     def take_forgotten(self) -> list[tuple[str, str]]:
         """The ended events pushed out of the bounded memory since the last call (to drop from saved state)."""
         forgotten, self._forgotten = self._forgotten, []
@@ -185,7 +223,14 @@ class FleetTracker:
 
     # --- bounded memories ---------------------------------------------------------------------------
     def _end(self, key: tuple[str, str]) -> None:
-        self._forgotten += self._remember(self._ended, key, MAX_ENDED)
+        if key not in self._ended:
+            self._ended_ids[key[1]] += 1
+        let_go = self._remember(self._ended, key, MAX_ENDED)
+        for _, event_id in let_go:
+            self._ended_ids[event_id] -= 1
+            if self._ended_ids[event_id] <= 0:
+                del self._ended_ids[event_id]
+        self._forgotten += let_go
 
     @staticmethod
     def _remember(memory: OrderedDict[K, None], key: K, limit: int) -> list[K]:

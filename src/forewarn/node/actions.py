@@ -33,11 +33,13 @@ from forewarn.node.nodeapi import (
     Ledger,
     NodeHandle,
     actions_disabled,
+    entries,
     held_by_others,
     ledger_of,
     ledger_patch,
     rfc3339,
 )
+from forewarn.owner import AGENT, Owner
 
 # Re-exported: tests, fleet/lease.py and operators' scripts know them from here.
 __all__ = ["APPLIED", "CONTROLLER", "EVENT_NAMESPACE", "KubeNodeActor", "Ledger", "held_by_others", "ledger_of",
@@ -52,8 +54,8 @@ class KubeNodeActor(NodeHandle):
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time,
                  poll: float = 1.0, draining: Callable[[int], None] | None = None,
                  stopping: threading.Event | None = None,
-                 blocked: Callable[[float], None] | None = None) -> None:
-        super().__init__(client, node, clock=clock, poll=poll, stopping=stopping, blocked=blocked)
+                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None) -> None:
+        super().__init__(client, node, clock=clock, poll=poll, stopping=stopping, blocked=blocked, owner=owner)
         self._draining = draining or (lambda _count: None)
         self._drains = 0
         self._drains_lock = threading.Lock()
@@ -94,9 +96,12 @@ class KubeNodeActor(NodeHandle):
             report(ActionOutcome(action.kind, "dry_run" if dry_run else "ok", detail))
         return True
 
-    def undo(self, event_id: str, dry_run: bool, report: Report) -> None:
+    def undo(self, event_id: str, dry_run: bool, report: Report, legacy: bool | None = None) -> None:
+        """Take back what this actor's owner applied for `event_id` (its entry only). `legacy`: also what an
+        entry written before owners holds for it (forewarn.owner); by default only the per-VM agent adopts
+        those, since its IMDS document lists every event of its VM while the event is open."""
         try:
-            detail = self._undo(event_id, dry_run)
+            detail = self._undo(event_id, dry_run, self.owner.by == AGENT if legacy is None else legacy)
         except KubeError as exc:
             log.error("node %s, event %s: undo failed: %s", self.node, event_id, exc)
             report(ActionOutcome("undo", "failed", str(exc)))
@@ -132,11 +137,11 @@ class KubeNodeActor(NodeHandle):
     def _cordon(self, event_id: str, dry_run: bool) -> str:
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             ledger = ledger_of(node)
-            entry = ledger.setdefault(event_id, {})
+            entry = self.entry(ledger, event_id)
             cordoned = bool((node.get("spec") or {}).get("unschedulable"))
             if cordoned and entry.get("cordon"):
                 return None, f"node {self.node} already cordoned for this event"
-            if cordoned and held_by_others(ledger, event_id, "cordon"):
+            if cordoned and held_by_others(ledger, self.key(event_id), "cordon"):
                 entry["cordon"] = True   # shared: uncordoned when the last of forewarn's events ends
                 return ledger_patch(ledger), f"node {self.node} already cordoned by forewarn for another event"
             if cordoned:
@@ -154,14 +159,14 @@ class KubeNodeActor(NodeHandle):
 
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             ledger = ledger_of(node)
-            entry = ledger.setdefault(event.event_id, {})
+            entry = self.entry(ledger, event.event_id)
             taints = list((node.get("spec") or {}).get("taints") or [])
             text = f"{action.key}={value}:{action.effect}"
             present = any(t.get("key") == action.key and t.get("effect") == action.effect for t in taints)
             held = entry.get("taints", [])
             if present and mine in held:
                 return None, f"taint {text} already on node {self.node} for this event"
-            if present and held_by_others(ledger, event.event_id, "taints", mine):
+            if present and held_by_others(ledger, self.key(event.event_id), "taints", mine):
                 entry["taints"] = [*held, mine]
                 return ledger_patch(ledger), f"taint {action.key}:{action.effect} already set by forewarn"
             if present:
@@ -178,12 +183,12 @@ class KubeNodeActor(NodeHandle):
 
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             ledger = ledger_of(node)
-            entry = ledger.setdefault(event.event_id, {})
+            entry = self.entry(ledger, event.event_id)
             labels = (node.get("metadata") or {}).get("labels") or {}
             held = entry.get("labels", [])
             if action.key in labels and action.key in held:
                 return None, f"label {action.key} already set for this event"
-            if action.key in labels and held_by_others(ledger, event.event_id, "labels", action.key):
+            if action.key in labels and held_by_others(ledger, self.key(event.event_id), "labels", action.key):
                 entry["labels"] = [*held, action.key]
                 return ledger_patch(ledger), f"label {action.key} already set by forewarn"
             if action.key in labels:
@@ -231,43 +236,68 @@ class KubeNodeActor(NodeHandle):
 
     # --- undo -------------------------------------------------------------------------------------
     def pending(self) -> list[str]:
-        """The event ids the node's ledger holds something for (what an undo would take back)."""
-        return sorted(ledger_of(self.get_node()))
+        """The event ids this owner's entries (and, for the per-VM agent, legacy entries) hold something for:
+        what its undo would take back. Other owners' entries are not listed."""
+        adopt = self.owner.by == AGENT
+        return sorted({ref.event_id for ref in entries(ledger_of(self.get_node()))
+                       if ref.owner_id == self.owner.id or (adopt and ref.legacy)})
 
-    def _undo(self, event_id: str, dry_run: bool) -> str:
+    def _taken(self, ledger: Ledger, event_id: str, legacy: bool) -> tuple[dict[str, Any] | None, str]:
+        """This owner's entry for `event_id`, merged with the legacy one when `legacy`, both taken out of
+        `ledger`; and the key the entry stood under (None for the entry: nothing held)."""
+        merged: dict[str, Any] = {}
+        found = False
+        keys = [self.key(event_id)]
+        old = ledger.get(event_id)
+        if legacy and old is not None and "by" not in old:
+            keys.append(event_id)
+        for key in keys:
+            entry = ledger.pop(key, None)
+            if entry is None:
+                continue
+            found = True
+            for kind, held in entry.items():
+                if isinstance(held, list):
+                    merged[kind] = [*merged.get(kind, []), *(item for item in held if item not in merged.get(kind, []))]
+                elif kind not in merged or not merged[kind]:
+                    merged[kind] = held
+        return (merged if found else None), self.key(event_id)
+
+    def _undo(self, event_id: str, dry_run: bool, legacy: bool = False) -> str:
         undone: list[str] = []
         # The condition first: once the ledger entry is gone nothing would remember it, so a failure here
         # leaves the entry in place for the undo to be tried again (removing an absent condition is a no-op).
         ledger = ledger_of(self.get_node())
-        kind = (ledger.get(event_id) or {}).get("condition")
-        if kind and not held_by_others(ledger, event_id, "condition", kind) and not dry_run:
+        mine, key = self._taken(ledger, event_id, legacy)
+        kind = (mine or {}).get("condition")
+        if kind and not held_by_others(ledger, key, "condition", kind) and not dry_run:
             self._remove_condition(str(kind))
 
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             undone.clear()
             ledger = ledger_of(node)
-            entry = ledger.pop(event_id, None)
+            entry, key = self._taken(ledger, event_id, legacy)
             if entry is None:
                 return None, ""
             patch = ledger_patch(ledger)
             spec: dict[str, Any] = {}
-            if entry.get("cordon") and not held_by_others(ledger, event_id, "cordon"):
+            if entry.get("cordon") and not held_by_others(ledger, key, "cordon"):
                 spec["unschedulable"] = None
                 undone.append("uncordoned")
             taints = list((node.get("spec") or {}).get("taints") or [])
-            drop = [t for t in entry.get("taints", []) if not held_by_others(ledger, event_id, "taints", t)]
+            drop = [t for t in entry.get("taints", []) if not held_by_others(ledger, key, "taints", t)]
             kept = [t for t in taints if [t.get("key"), t.get("effect")] not in drop]
             if len(kept) != len(taints):
                 spec["taints"] = kept
                 undone.append("removed taint " + ", ".join(f"{k}:{e}" for k, e in drop))
-            labels = [k for k in entry.get("labels", []) if not held_by_others(ledger, event_id, "labels", k)]
+            labels = [k for k in entry.get("labels", []) if not held_by_others(ledger, key, "labels", k)]
             if labels:
                 patch["metadata"]["labels"] = {key: None for key in labels}
                 undone.append("removed label " + ", ".join(labels))
             if spec:
                 patch["spec"] = spec
             held = entry.get("condition")
-            if held and not held_by_others(ledger, event_id, "condition", held):
+            if held and not held_by_others(ledger, key, "condition", held):
                 undone.append(f"removed condition {held}")
             if entry.get("drain"):
                 undone.append("drain record dropped")

@@ -32,13 +32,13 @@ def stop_daemonsets(run: DrainRun) -> str:
 
     def change(current: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         ledger = ledger_of(current)
-        entry = ledger.setdefault(event.event_id, {})
+        entry = node.entry(ledger, event.event_id)
         taints = list((current.get("spec") or {}).get("taints") or [])
         present = any(t.get("key") == STOP_TAINT and t.get("effect") == "NoExecute" for t in taints)
         held = entry.get("taints", [])
         if present and mine in held:
             return None, ""
-        if present and not held_by_others(ledger, event.event_id, "taints", mine):
+        if present and not held_by_others(ledger, node.key(event.event_id), "taints", mine):
             return None, ""   # someone else's: left as it is, and not ours to undo
         entry["taints"] = [*held, mine]
         patch = ledger_patch(ledger)

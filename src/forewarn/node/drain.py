@@ -97,7 +97,7 @@ def drain(node: NodeHandle, action: NodeAction, event: Event, dry_run: bool, rep
     if dry_run:
         return _dry_run(node, action, event, deadline - start, matching)
 
-    entry = ledger_of(node.get_node()).get(event.event_id, {})
+    entry = ledger_of(node.get_node()).get(node.key(event.event_id), {})
     earlier = entry.get("drain") if isinstance(entry.get("drain"), dict) else None
     if earlier and earlier.get("done"):
         return f"node {node.node} already drained for this event"

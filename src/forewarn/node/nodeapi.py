@@ -2,10 +2,11 @@
 by the resourceVersion, and events.k8s.io Events. Every node action builds on this module (actions.py for
 cordon, taint, label, condition and event; drain.py for the drain), and it imports neither of them.
 
-What forewarn applied is written in the annotation `forewarn.io/applied` on the Node itself, per event id,
-in the same patch that applies it (a merge patch carrying the resourceVersion it was computed from, so a
-concurrent change gets 409 and is computed again). So a restart remembers it, two events that both cordon
-share one cordon, and an undo removes only what forewarn put there.
+What forewarn applied is written in the annotation `forewarn.io/applied` on the Node itself, one entry per
+owner and event id (forewarn.owner: the per-VM agent, or a fleet instance by its scope and Lease), in the same
+patch that applies it (a merge patch carrying the resourceVersion it was computed from, so a concurrent change
+gets 409 and is computed again). So a restart remembers it, two events or two owners that both cordon share
+one cordon, and an undo removes only what its owner put there.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightkube.resources.events_v1 import Event as KubeEvent
 from lightkube.types import PatchType
 
 from forewarn.node.kube import KubeError, explain
+from forewarn.owner import AGENT, EntryRef, Owner, entry_ref
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,16 @@ def ledger_patch(ledger: Ledger) -> dict[str, Any]:
     return {"metadata": {"annotations": {APPLIED: value}}}
 
 
-def held_by_others(ledger: Ledger, event_id: str, kind: str, item: Any = True) -> bool:
-    """Whether an entry other than `event_id`'s holds `item` of `kind` (a cordon, a taint, a label...)."""
+def entries(ledger: Ledger) -> list[EntryRef]:
+    """Who holds what in `ledger`: each entry's key, event id and owner id."""
+    return [entry_ref(key, entry) for key, entry in ledger.items()]
+
+
+def held_by_others(ledger: Ledger, key: str, kind: str, item: Any = True) -> bool:
+    """Whether an entry other than the one under `key` holds `item` of `kind` (a cordon, a taint, a label...),
+    whoever its owner: what two entries hold stays until both are undone."""
     for other, entry in ledger.items():
-        if other == event_id:
+        if other == key:
             continue
         held = entry.get(kind)
         if held == item or (isinstance(held, list) and item in held):
@@ -92,11 +100,12 @@ class NodeHandle:
 
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time, poll: float = 1.0,
                  stopping: threading.Event | None = None,
-                 blocked: Callable[[float], None] | None = None) -> None:
+                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None) -> None:
         self.client = client
         self.node = node
         self.clock = clock
         self.poll = poll
+        self.owner = owner or Owner(AGENT)   # whose entries this handle writes and undoes
         self.stopping = stopping or threading.Event()
         # Told when a drain became blocked by a PodDisruptionBudget (a Unix time), and 0 once it is not.
         self.blocked = blocked or (lambda _since: None)
@@ -104,6 +113,14 @@ class NodeHandle:
         # name, and the service account's namespace is the pod's. Used to make sure a NoExecute taint of the
         # drain would not stop forewarn itself; None when it cannot tell.
         self.own_pod: tuple[str, str] | None = (str(client.namespace), socket.gethostname())
+
+    def key(self, event_id: str) -> str:
+        """The ledger key of this handle's owner's entry for `event_id`."""
+        return self.owner.key(event_id)
+
+    def entry(self, ledger: Ledger, event_id: str) -> dict[str, Any]:
+        """This owner's entry for `event_id` in `ledger`, added (naming the owner) when there is none."""
+        return ledger.setdefault(self.key(event_id), self.owner.new_entry(event_id))
 
     def get_node(self) -> dict[str, Any]:
         try:
@@ -140,7 +157,7 @@ class NodeHandle:
         request, such as a condition or a drain)."""
         def change(node: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
             ledger = ledger_of(node)
-            entry = ledger.setdefault(event_id, {})
+            entry = self.entry(ledger, event_id)
             if entry.get(kind) == item:
                 return None, ""
             entry[kind] = item
