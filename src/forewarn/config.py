@@ -451,6 +451,9 @@ FLEET_SHARED = tuple(option for option in RUN_OPTIONS if option.name not in (
     "compute-refresh", "simulate", "speed", "fault"))
 _GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _MANAGEMENT_GROUP = re.compile(r"[A-Za-z0-9_.()-]{1,90}")
+#: ARM's rule for resource group names (Microsoft.Resources naming rules): 1 to 90 letters (Unicode ones
+#: too), digits, `_ . - ( )`, not ending in a period. It also keeps a name safe inside a KQL string literal.
+_RESOURCE_GROUP = re.compile(r"[\w.()-]{0,89}[\w()-]")
 
 
 def _subscription_id(text: str) -> str:
@@ -462,6 +465,12 @@ def _subscription_id(text: str) -> str:
 def _management_group(text: str) -> str:
     if not _MANAGEMENT_GROUP.fullmatch(text.strip()):
         raise ValueError(f"{text!r} is not a management group id (letters, digits, -_.() up to 90)")
+    return text.strip()
+
+
+def _resource_group(text: str) -> str:
+    if not _RESOURCE_GROUP.fullmatch(text.strip()):
+        raise ValueError("a resource group name is 1 to 90 letters, digits and _ . - ( ), not ending in '.'")
     return text.strip()
 
 
@@ -496,6 +505,9 @@ FLEET_ONLY: tuple[Option, ...] = (
            _subscription_id, repeatable=True, metavar="ID"),
     Option("management-group", "a management group whose subscriptions Resource Graph lists (repeatable)", [],
            _management_group, repeatable=True, metavar="ID"),
+    Option("resource-group", "only events of VMs in this resource group, from every source (repeatable; with "
+           "--subscription or --management-group, within them)", [], _resource_group, repeatable=True,
+           metavar="NAME"),
     Option("arm-endpoint", "Azure Resource Manager base URL (sovereign clouds, tests)", "https://management.azure.com",
            _https_url, metavar="URL"),
     Option("arm-client-id", "client id of a user-assigned managed identity for Resource Graph (default: "
@@ -548,6 +560,7 @@ class FleetSettings(Settings):
 
     subscription: list[str] = field(default_factory=list)
     management_group: list[str] = field(default_factory=list)
+    resource_group: list[str] = field(default_factory=list)
     arm_endpoint: str = "https://management.azure.com"
     arm_client_id: str | None = None
     arm_timeout: float = 30.0
@@ -654,12 +667,22 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
     try:
         if option.repeatable:
             items = _sinks(raw) if isinstance(raw, str) else list(raw)
-            return [option.convert(str(item)) for item in items]
+            return [_convert_one(option, str(item), source) for item in items]
         if option.is_flag:
             return _boolean(raw)
         return option.convert(str(raw))
+    except ConfigError:
+        raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{source}: {shown(raw)} is not valid for --{option.name} ({exc})") from None
+
+
+def _convert_one(option: Option, item: str, source: str) -> Any:
+    """One value of a repeatable option: an error shows that value, not the whole list."""
+    try:
+        return option.convert(item)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}: {shown(item)} is not valid for --{option.name} ({exc})") from None
 
 
 def _fresh(default: Any) -> Any:

@@ -68,14 +68,29 @@ OPEN_STATUSES = ("Scheduled", "Started")
 ALL_STATUSES = ("Scheduled", "Started", "Completed", "Canceled")
 
 
-def scheduled_events_query(statuses: Sequence[str] | None = OPEN_STATUSES) -> str:
-    """KQL for the scheduled-event rows with one of `statuses` (None: every status, history included).
+#: What a resource group name may hold in the query: ARM's characters for one (letters, digits, `_ . - ( )`).
+#: None of them can end a KQL string literal, so a name goes into the query between double quotes as it is.
+_RESOURCE_GROUP = re.compile(r"[\w.()-]{1,90}")
 
+
+def scheduled_events_query(statuses: Sequence[str] | None = OPEN_STATUSES, resource_groups: Sequence[str] = ()) -> str:
+    """KQL for the scheduled-event rows with one of `statuses` (None: every status, history included), in one of
+    `resource_groups` when given (compared without regard to case, as ARM compares them).
+
+    A scheduled event's row carries the resource group of the VM, scale set or availability set it is on (its
+    ID is an extension of theirs), so the filter keeps the events of the VMs in those resource groups.
     The projection keeps `id` because paging needs it, and `properties` whole, so the feed reads the same
     PascalCase fields IMDS documents carry (EventId, EventType, EventStatus, NotBefore, Resources, ...),
     typed as Resource Graph stores them, and fields not documented yet pass through.
     """
     lines = ["maintenanceresources", '| where type =~ "microsoft.maintenance/scheduledevents"']
+    if isinstance(resource_groups, str) or not all(
+            isinstance(g, str) and _RESOURCE_GROUP.fullmatch(g) for g in resource_groups):
+        raise ValueError(f"resource_groups must be a list of resource group names (letters, digits, _ . - ( ), up "
+                         f"to 90); got {resource_groups!r}")
+    if resource_groups:
+        groups = ", ".join(f'"{group}"' for group in dict.fromkeys(resource_groups))
+        lines.append(f"| where resourceGroup in~ ({groups})")
     if statuses is not None:
         if not statuses or not all(isinstance(s, str) and re.fullmatch(r"[A-Za-z]+", s) for s in statuses):
             raise ValueError(f"statuses must be event status words such as {', '.join(ALL_STATUSES)}; "
