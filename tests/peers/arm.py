@@ -126,8 +126,8 @@ class Received:
 
 @dataclass(frozen=True)
 class AckCall:
-    """One acknowledge POST: its target (lower case), its events, when it arrived and when its answer was
-    written (time.monotonic()), and the status (None: hung until stop())."""
+    """One acknowledge POST: its target (lower case), its events, when it arrived and when its answer began
+    to be written (time.monotonic(): before the client can have it), and the status (None: hung until stop())."""
 
     target: str
     event_ids: tuple[str, ...]
@@ -322,6 +322,7 @@ class ArmPeer:
             received.ack_most_per_target[target] = max(received.ack_most_per_target.get(target, 0), now)
             received.ack_most_in_flight = max(received.ack_most_in_flight, sum(received.ack_in_flight.values()))
         status: int | None = None
+        answered = 0.0
         try:
             if faults.hang:
                 self.released.wait()
@@ -332,12 +333,13 @@ class ArmPeer:
                 self.received.ack_statuses.append(status)
             if faults.delay:
                 self.released.wait(faults.delay)
+            answered = time.monotonic()
             self._write(handler, status, extra, answer)
         finally:
             with self.received.lock:
                 self.received.ack_in_flight[target] -= 1
-                self.received.ack_calls.append(AckCall(target, _event_ids(path, body), arrived, time.monotonic(),
-                                                       status))
+                self.received.ack_calls.append(AckCall(target, _event_ids(path, body), arrived,
+                                                       answered or time.monotonic(), status))
 
     def _acknowledge(self, method: str, path: str, query: str, headers: dict[str, str],
                      body: bytes) -> tuple[int, dict[str, str], bytes]:
