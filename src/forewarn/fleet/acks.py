@@ -113,7 +113,7 @@ class AckRounds:
             raise ValueError(f"workers must be at least 1 and 0 < base <= cap; got {workers}, {base}, {cap}")
         self.acknowledger = acknowledger
         self.clock = clock
-        self.stop = stop or threading.Event()
+        self.stop = stop if stop is not None else threading.Event()
         self.workers = workers
         self.cap = cap
         self._backoff = Backoff(base=base, cap=cap, rng=rng)
