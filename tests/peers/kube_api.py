@@ -46,7 +46,13 @@ accepted and unused. An eviction's deleteOptions.gracePeriodSeconds replaces the
 longer or shorter, as the API server does. Then: fail_always() and recover() (an API that keeps failing
 until it recovers); KubeApi(tls=True) serving HTTPS with a certificate of its own test CA (`ca_pem`;
 kubeconfig() then carries certificate-authority-data), and service_account(dir) writing token, ca.crt and
-namespace as a kubelet mounts them (the token is the RBAC-checked one).
+namespace as a kubelet mounts them (the token is the RBAC-checked one). Then, all opt-in: KubeApi(tokens=)
+more RBAC-checked bearer tokens (one per client, so a test can tell whose request it was: `Request.token`),
+and kubeconfig(token=); KubeApi(list_delay={"nodes": 1.0}) answers a LIST of those resources that many seconds
+late, with the list as it was when the request came (a large list on a busy API server; other requests are
+served meanwhile); `Request.at`, when it came (time.monotonic()); `node_versions`, every version of every node
+as stored, and node_history() / unschedulable_history() over them, so a change undone a moment later still
+shows.
 
 Use:
     api = KubeApi(cluster_role=Path("deploy/.../clusterrole.yaml"))
@@ -194,9 +200,16 @@ class Request:
     headers: dict[str, str]  # names lower-cased
     body: bytes
     status: int = 0
+    at: float = field(default_factory=time.monotonic)  # when it came
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
+
+    @property
+    def token(self) -> str:
+        """The bearer token it carried ("" without one): which client sent it, with KubeApi(tokens=)."""
+        value = self.headers.get("authorization", "")
+        return value[len("Bearer "):] if value.startswith("Bearer ") else ""
 
 
 @dataclass
@@ -860,13 +873,17 @@ class KubeApi:
 
     def __init__(self, cluster_role: Path | None = None, *, namespace_pods: object = None,
                  namespaces: Iterable[str] | None = None, grace_scale: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, tls: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls: bool = False, tokens: Iterable[str] = (),
+                 list_delay: Mapping[str, float] | None = None) -> None:
         """`cluster_role`: the ClusterRole YAML (or a directory of YAML files) whose rules decide 403; None
         allows everything. `namespace_pods`: reserved by the shared interface, unused. `namespaces`: the
         namespaces that exist (with default and kube-system): creating anything elsewhere is 404 `namespaces
         "x" not found`, as on a real cluster; None: every namespace exists. `grace_scale`: a deleted pod goes
         away after its grace period times this, in seconds of `clock` (0: at once). `tls`: serve HTTPS with
-        a server certificate (for 127.0.0.1 and localhost) of a CA made for this server, `ca_pem`."""
+        a server certificate (for 127.0.0.1 and localhost) of a CA made for this server, `ca_pem`. `tokens`:
+        more bearer tokens accepted as the RBAC-checked service account (kubeconfig(token=)), so that the
+        requests of several clients can be told apart (`Request.token`). `list_delay`: resource (plural) ->
+        seconds a LIST of it is answered late, with the items as they were when it came."""
         self.rules = load_rules(cluster_role) if cluster_role is not None else None
         self.namespaces = None if namespaces is None else {"default", "kube-system", *namespaces}
         self.grace_scale = grace_scale
@@ -875,6 +892,10 @@ class KubeApi:
         self.evictions: list[tuple[str, str, int | None]] = []
         self.deletions: list[tuple[str, str, int | None]] = []  # pods deleted through DELETE, with the grace asked
         self.taint_evictions: list[tuple[str, str]] = []  # pods the taint manager deleted (NoExecute)
+        self.tokens = frozenset((TOKEN, *tokens))
+        self.list_delay = dict(list_delay or {})
+        #: Every version of every node as stored, in order: (time.monotonic(), a copy of the node).
+        self.node_versions: list[tuple[float, JSON]] = []
         self._objects: dict[tuple[str, str, str], JSON] = {}  # (plural, namespace, name) -> object
         self._going: dict[tuple[str, str], float] = {}  # pods being deleted: (namespace, name) -> when gone
         self._failures: list[_Failure] = []
@@ -905,10 +926,13 @@ class KubeApi:
         self.stop()
 
     # --- what tests set up and look at -------------------------------------------------------------
-    def kubeconfig(self, path: Path, *, admin: bool = False, namespace: str = "default") -> Path:
-        """Write a kubeconfig for this server (a bearer token: the RBAC-checked service account, or with
-        `admin` a user the ClusterRole does not limit; with TLS, the CA as certificate-authority-data) and
-        return its path."""
+    def kubeconfig(self, path: Path, *, admin: bool = False, namespace: str = "default",
+                   token: str | None = None) -> Path:
+        """Write a kubeconfig for this server (a bearer token: the RBAC-checked service account, `token` if
+        given (one of KubeApi(tokens=)), or with `admin` a user the ClusterRole does not limit; with TLS, the CA
+        as certificate-authority-data) and return its path."""
+        if token is not None and token not in self.tokens:
+            raise ValueError(f"token {token!r} is not one of KubeApi(tokens=)")
         user = "admin" if admin else "forewarn"
         cluster: JSON = {"server": self.url}
         if self.ca_pem is not None:
@@ -916,7 +940,7 @@ class KubeApi:
         config = {
             "apiVersion": "v1", "kind": "Config", "preferences": {},
             "clusters": [{"name": "stand-in", "cluster": cluster}],
-            "users": [{"name": user, "user": {"token": ADMIN_TOKEN if admin else TOKEN}}],
+            "users": [{"name": user, "user": {"token": ADMIN_TOKEN if admin else token or TOKEN}}],
             "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": user,
                                                           "namespace": namespace}}],
             "current-context": "stand-in",
@@ -1042,6 +1066,21 @@ class KubeApi:
         with self._lock:
             return copy.deepcopy(self._objects[("poddisruptionbudgets", namespace, name)])
 
+    def node_history(self, name: str) -> list[tuple[float, JSON]]:
+        """Every version of node `name` as stored, oldest first: (time.monotonic(), the node)."""
+        with self._lock:
+            return [(at, copy.deepcopy(node)) for at, node in self.node_versions if node["metadata"]["name"] == name]
+
+    def unschedulable_history(self, name: str) -> list[bool]:
+        """Every value node `name`'s spec.unschedulable took, in order (a repeat of the value before is not
+        listed again; absent counts as False)."""
+        values: list[bool] = []
+        for _, node in self.node_history(name):
+            value = bool((node.get("spec") or {}).get("unschedulable"))
+            if not values or values[-1] != value:
+                values.append(value)
+        return values
+
     def pods(self) -> list[JSON]:
         with self._lock:
             self._purge()
@@ -1087,6 +1126,8 @@ class KubeApi:
     def _bump(self, obj: JSON) -> None:
         self._version += 1
         obj["metadata"]["resourceVersion"] = str(self._version)
+        if obj.get("kind") == "Node":
+            self.node_versions.append((time.monotonic(), copy.deepcopy(obj)))
 
     def _uid(self, plural: str, namespace: str, name: str) -> str:
         with self._lock:
@@ -1154,14 +1195,25 @@ class KubeApi:
                 reply = self._answer(record)
         except ApiError as error:
             reply = _Reply(error.code, error.status(), error.headers)
+        if reply.status == 200 and (delay := self._list_delay(record)):
+            time.sleep(delay)   # outside the lock: the API serves other requests meanwhile
         record.status = reply.status
         with self._lock:
             self.requests.append(record)
         return Response(reply.status, json.dumps(reply.body).encode(), "application/json", reply.headers)
 
+    def _list_delay(self, request: Request) -> float:
+        """How late a LIST is answered (list_delay), 0 for any other request."""
+        if request.method != "GET" or request.query.get("watch") in ("1", "true") or not self.list_delay:
+            return 0.0
+        try:
+            target = self._target(request.path)
+        except ApiError:
+            return 0.0
+        return 0.0 if target.name else self.list_delay.get(target.kind.plural, 0.0)
+
     def _answer(self, request: Request) -> _Reply:
-        token = request.headers.get("authorization", "")
-        if token not in (f"Bearer {TOKEN}", f"Bearer {ADMIN_TOKEN}"):
+        if request.token not in self.tokens | {ADMIN_TOKEN}:
             raise ApiError(401, "Unauthorized")
         accept = request.headers.get("accept", "*/*")
         if not any(t.split(";")[0].strip() in ("application/json", "*/*", "application/*") for t in accept.split(",")):
