@@ -392,6 +392,8 @@ def test_twenty_takeovers_mid_drain_with_a_slow_node_list_never_uncordon_or_ackn
                 assert undone == [], f"takeover {link}: undone while Scheduled: {undone}\n{successor.tail()}"
                 holder = successor
             elapsed = time.monotonic() - begun
+            wait_until(partial(_acted_in_term, api, holder, node, event_id), timeout=30,
+                       message=f"the last successor, {holder.name}, resuming the drain")
         finally:
             arm.stop()
         final = api.node(node)
@@ -404,8 +406,8 @@ def test_twenty_takeovers_mid_drain_with_a_slow_node_list_never_uncordon_or_ackn
     assert cordoned(final) and list(owned(final, event_id, "fleet")) and pods == ["web-0"], "still draining"
     assert arm.received.acks == []
     assert all(r.undos() == [] for r in all_replicas)
-    # every replica that held the Lease resumed the same drain (the budget refused each of them)
-    assert sum(refused_evictions(api, r.token) > 0 for r in all_replicas) >= TAKEOVERS + 1
+    # each of the 21 replicas that held the Lease resumed the same drain (the budget refused each of them)
+    assert sum(refused_evictions(api, r.token) > 0 for r in all_replicas) == TAKEOVERS + 1
 
 
 # --- 2. the agent and the fleet on one node, the central feed lagging -------------------------------------
@@ -559,7 +561,10 @@ def test_two_fleet_instances_with_different_scopes_each_act_on_and_undo_only_the
             pushed = requests.post(f"http://127.0.0.1:{a.port}/eventgrid", params={"code": PUSH_SECRET}, timeout=10,
                                    json=[event_grid_event(row_b["properties"], target_id("vm", "vm-b", sub=place_b[0],
                                                                                          rg=place_b[1]), "p-b")])
-            assert pushed.status_code < 500, pushed.text
+            assert pushed.status_code == 200, pushed.text    # taken (and left out), so Event Grid does not retry
+            left_out = 'azure_scheduled_events_out_of_scope_total{source="eventgrid"} 1.0'
+            wait_until(lambda: left_out in (a.metrics() or ""), timeout=10,
+                       message="A counting the pushed event as outside its scope")
             # each has committed two complete snapshots (none listing the other's event), then reads the ledgers
             marks = [wait_for_snapshots(peer, 3, f"two more complete snapshots of {fleet.name}")
                      for peer, fleet in zip(peers, (a, b), strict=True)]
