@@ -131,6 +131,8 @@ class FleetProcess:
         return f"<fleet {self.name}>"
 
     def start(self) -> FleetProcess:
+        """Start the process (again: on the same state dir, port, sink and token)."""
+        self.killed = False
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
         return self
@@ -157,9 +159,11 @@ class FleetProcess:
         return [json.loads(line) for line in self.records_file.read_text().splitlines() if line.strip()]
 
     def undos(self) -> list[tuple[str, str, str]]:
-        """(EventId, node, result) of every undo this instance recorded."""
+        """(EventId, node, result) of every undo this instance recorded doing or trying (an undo it held back
+        and said so, result `held`, is not one)."""
         return [(r["subject"], r["data"]["node"], r["data"]["result"]) for r in self.records()
-                if r["data"]["change"] == "node_action" and r["data"].get("action") == "undo"]
+                if r["data"]["change"] == "node_action" and r["data"].get("action") == "undo"
+                and r["data"]["result"] != "held"]
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
@@ -408,6 +412,49 @@ def test_twenty_takeovers_mid_drain_with_a_slow_node_list_never_uncordon_or_ackn
     assert all(r.undos() == [] for r in all_replicas)
     # each of the 21 replicas that held the Lease resumed the same drain (the budget refused each of them)
     assert sum(refused_evictions(api, r.token) > 0 for r in all_replicas) == TAKEOVERS + 1
+
+
+def test_a_replica_restarted_on_stale_state_does_nothing_to_nodes_before_its_first_snapshot(
+        tmp_path: Path, authority: Authority, fleets: Fleets) -> None:
+    """Replica a cordons the node for an event and is stopped; b takes over, the event completes, and b releases
+    the node (a's entry is b's too: one scope, one Lease). a starts again on its old state dir, which still has the
+    event open, and b is killed: a takes over while Resource Graph takes 2 s to answer. Until its first complete
+    snapshot a does nothing to nodes, so it never cordons the node again for an event that is over."""
+    event_id = str(uuid.UUID(int=0x5E)).upper()
+    not_before = not_before_in(60)
+    arm = SlowArm(authority, rows=[vm_row(SUB_A, "rg-a", "vm-1", event_id, not_before)])
+    arm.query_delay = 0.0
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(AGENT_POLICY)
+    args = ("--subscription", SUB_A, "--policy", str(policy), "--lease-name", "forewarn-fleet", "--lease-seconds", "2")
+    with KubeApi(cluster_role=roles(tmp_path / "roles", "forewarn-fleet"), namespaces=["forewarn"],
+                 tokens=["sa-a", "sa-b"], list_delay={"nodes": NODE_LIST_DELAY}) as api:
+        api.add_node("node-1", provider_id=provider_id(SUB_A, "rg-a", "vm-1"))
+        try:
+            a = fleets("a", arm, api, *args)
+            wait_until(a.active, timeout=20, message="a holding the Lease")
+            b = fleets("b", arm, api, *args)
+            wait_until(lambda: cordoned(api.node("node-1")), timeout=20, message="a's cordon")
+            assert a.stop() == 0, a.tail()                           # the Lease released: b takes over at once
+            wait_until(b.active, timeout=20, message="b taking over")
+            arm.rows = [vm_row(SUB_A, "rg-a", "vm-1", event_id, not_before, status="Completed")]
+            wait_until(lambda: not cordoned(api.node("node-1")), timeout=20, message="b releasing the node")
+            arm.query_delay = 2.0
+            restarted = time.monotonic()
+            a.start().wait_ready()                                    # its saved state: the event still open
+            b.kill()
+            dead_at = time.monotonic()
+            wait_until(a.active, timeout=20, message="a taking over")
+            wait_until(partial(queries_since, arm, dead_at, 4), timeout=30,
+                       message="three complete snapshots by a, after its takeover")
+            wait_until(partial(node_lists, api, a.token, dead_at), timeout=10, message="a reading the nodes")
+        finally:
+            arm.stop()
+        history = api.unschedulable_history("node-1")
+        late = [(r.method, r.path, round(r.at - dead_at, 2)) for r in writes(api, a.token) if r.at > restarted]
+    assert history == [False, True, False], f"the node went {history}; a after its restart: {late}"
+    assert late == [], f"a wrote to a node for an event that is over: {late}"
+    assert arm.received.acks == []
 
 
 # --- 2. the agent and the fleet on one node, the central feed lagging -------------------------------------
