@@ -132,6 +132,7 @@ class Harness:
     def step(self, seconds: float = 0.0) -> None:
         self.now += seconds
         self.approver.step(threading.Event())
+        assert self.approver.wait_idle(30)
 
     def approved(self, result: str = "approved") -> float:
         return sum(self.metrics.approvals.labels(t, result).value for t in ("Reboot", "Freeze"))

@@ -70,6 +70,9 @@ class EntryRef:
     key: str
     event_id: str
     owner_id: str
+    #: Fleet mode: Resource Graph listed the event when the entry was written, so its absence from later
+    #: snapshots is news (an event known only from the queue or a push may just not be listed yet).
+    listed: bool = False
 
     @property
     def legacy(self) -> bool:
@@ -81,5 +84,6 @@ def entry_ref(key: str, entry: dict[str, Any]) -> EntryRef:
     by = entry.get("by")
     if isinstance(by, str) and by:
         event_id = entry.get("event")
-        return EntryRef(key, str(event_id) if isinstance(event_id, str) and event_id else key.split("@", 1)[0], by)
+        return EntryRef(key, str(event_id) if isinstance(event_id, str) and event_id else key.split("@", 1)[0], by,
+                        entry.get("listed") is True)
     return EntryRef(key, key, LEGACY)

@@ -27,7 +27,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,6 +121,7 @@ class AckRounds:
         self._lock = threading.Lock()
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fleet-ack")
+        self._under_way: set[Future[None]] = set()
 
     def ready(self, target: str, now: float) -> bool:
         with self._lock:
@@ -148,7 +149,19 @@ class AckRounds:
             if state.under_way:
                 raise RuntimeError(f"an acknowledgement of {target} is under way; ask ready() first")
             state.under_way = True
-            self._pool.submit(self._run, target, ids, done)
+            future = self._pool.submit(self._run, target, ids, done)
+            self._under_way.add(future)
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: Future[None]) -> None:
+        with self._lock:
+            self._under_way.discard(future)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every call sent so far has had its `done` called; False if one has not after `timeout`."""
+        with self._lock:
+            under_way = set(self._under_way)
+        return not wait(under_way, timeout=timeout).not_done
 
     def close(self, wait: bool = True) -> None:
         with self._lock:

@@ -6,6 +6,10 @@ place: subscription, resource group, scale set, VMs) what to do with each Schedu
 approves, once its delay, `approve_within` and maintenance windows allow and within `max_approvals_per_hour`,
 is acknowledged through ARM (forewarn.fleet.acknowledge; the events of one target together, where the
 api-version has the list form), and each VM in its Resources gets an `approved` record naming the rule.
+Acknowledgements go out through forewarn.fleet.acks: a small pool, one call per target at a time, a backoff per
+target counted from the end of its failed call, so a target ARM keeps failing never holds back another. Before
+any is sent, the events about to be acknowledged are written into the Lease (`publish`), so a successor that
+takes over after a kill -9 never acknowledges them a second time.
 
 Each step reads one `FleetView` (the open events, the term's complete snapshots and the tracker's endings, taken
 at one moment) and decides everything from it. What the rule's node actions applied is undone only once the
@@ -15,14 +19,15 @@ scope and Lease. Until the term's first complete snapshot, nothing is done to no
 
 Safety, as in the per-VM agent: without a policy there is no approver, so nothing is acknowledged; an event no
 rule matches is held; only Scheduled events are approved; `--dry-run` (or the policy's `dry_run`) records
-what would be approved and sends nothing. An acknowledgement that fails is tried again after a backoff while
-the event stays Scheduled; one ARM refuses for good (404: the event is gone, 403: no right) is not tried again
-for that event, and says why once. Only the Lease holder acknowledges: the committer's `active()` is asked
+what would be approved and sends nothing. An acknowledgement that fails is tried again after its target's backoff
+while the event stays Scheduled; one ARM refuses for good (404: the event is gone, 403: no right) is not tried
+again for that event, and says why once. Only the Lease holder acknowledges: the committer's `active()` is asked
 before every call.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -35,6 +40,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from forewarn.approval.policy import Place, Policy, Rule, decide, first_match
+from forewarn.fleet.acks import AckResult, AckRounds
 from forewarn.fleet.armid import COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS, parse_arm_id
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.nodes import NodeIndex
@@ -44,7 +50,6 @@ from forewarn.fleet.tracker import FleetChange, FleetView, event_key
 from forewarn.logs import StateLog
 from forewarn.owner import LEGACY
 from forewarn.records import Record, approval_record
-from forewarn.retry import Backoff
 from forewarn.tracker import Outcome
 
 if TYPE_CHECKING:
@@ -79,7 +84,7 @@ class _Work:
 class _Track:
     first_seen: float
     event: FleetEvent
-    stage: str = "waiting"       # waiting, approved (acknowledged), decided (dry run), refused (ARM said no)
+    stage: str = "waiting"       # waiting, sending, approved (acknowledged), decided (dry run), refused (ARM said no)
     attempts: int = 0
     next_attempt: float = 0.0
     said: str = ""
@@ -87,6 +92,7 @@ class _Track:
     nodes: dict[str, str] = field(default_factory=dict)         # ... on which nodes (node -> VM ID)
     preparing: _Work = field(default_factory=lambda: _Work())   # the rule's prepare hooks
     place: Place | None = None                                  # where `event` is (computed once per event)
+    listed: bool = True                                         # Resource Graph listed it when its actions began
 
 
 def place_of(event: FleetEvent) -> Place:
@@ -108,13 +114,15 @@ class FleetApprover:
                  record: Callable[[Sequence[Record]], object], approvals: Any, dry_run: bool = False,
                  active: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time,
                  tick: float = DEFAULT_TICK, nodes: FleetNodes | None = None, hook_runs: Any = None,
-                 scope: FleetScope | None = None, held: Any = None) -> None:
+                 scope: FleetScope | None = None, held: Any = None,
+                 publish: Callable[[], bool] = lambda: True) -> None:
         self.policy = policy
         self.nodes = nodes             # node actions (forewarn.fleet.nodeactions); None when no rule has any
         self.view = view
         self.scope = scope or FleetScope()
         self.hook_runs = hook_runs     # the azure_scheduled_events_hook_runs_total counter, or None
         self.held = held               # FleetMetrics' gauges of undos held back, or None
+        self.publish = publish         # writes handover() into the Lease now; True once it is there
         self._hooks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fleet-hooks")
         self.acknowledger = acknowledger
         self.record = record
@@ -126,7 +134,7 @@ class FleetApprover:
         self._tracks: dict[tuple[str, str], _Track] = {}
         self._digests: dict[bytes, _Track] = {}   # the same tracks by handover.key_digest
         self._recent: deque[float] = deque()   # approvals within the last hour, for max_approvals_per_hour
-        self._backoff = Backoff(base=2.0, cap=60.0)
+        self._acks: AckRounds | None = None    # the term's acknowledgements (made at the first step)
         self._cap_said = False
         self._lock = threading.Lock()          # the tracks, between `step` and the Lease thread's `handover`
         self._wake = threading.Event()         # set by a commit (or the stop): the next step comes at once
@@ -134,6 +142,7 @@ class FleetApprover:
         self._last_start = float("-inf")       # when the last event went in progress (rollout.stagger)
         self._nodes_state = StateLog(log, "Kubernetes nodes")
         self._waiting_said = False             # said that nothing is done to nodes before a complete snapshot
+        self._reconciled_at = -1               # the term's complete snapshots at the last read of the ledgers
         self._held_said: set[tuple[str, str, str]] = set()   # (node, ledger key, reason) already recorded
         self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
@@ -156,6 +165,7 @@ class FleetApprover:
         inherited = decode(annotation)
         with self._lock:
             self._inherited = set(inherited)
+            self._reconciled_at = -1
         if inherited:
             log.info("the previous active replica approved %d event(s); they are not approved again", len(inherited))
 
@@ -165,7 +175,7 @@ class FleetApprover:
 
         with self._lock:
             return encode({digest for digest, track in self._digests.items()
-                           if track.stage in ("approved", "decided")} | self._inherited)
+                           if track.stage in ("sending", "approved", "decided")} | self._inherited)
 
     def wake(self) -> None:
         """Look at the open events now rather than at the next tick (the committer, after a commit)."""
@@ -192,6 +202,14 @@ class FleetApprover:
             if self.nodes is not None:
                 self.nodes.end()
             self._hooks.shutdown(wait=False, cancel_futures=True)
+            acks, self._acks = self._acks, None
+            if acks is not None:
+                acks.close(wait=False)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the acknowledgements sent so far are answered (and their records written)."""
+        acks = self._acks
+        return acks is None or acks.wait_idle(timeout)
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target. A replica that
@@ -205,11 +223,57 @@ class FleetApprover:
         index = self._node_index(view)   # Kubernetes requests, outside the lock
         with self._lock:
             due = self._decide(view, events, index)
+            sending = self._to_send(due)
+        if not sending or (stop is not None and stop.is_set()) or not self.active():
+            self._unsend(sending)
+            return
+        if self.dry_run:
+            for target, batch in sending:
+                self._approved(target, batch)
+            return
+        if not self.publish():
+            log.warning("cannot write the events about to be acknowledged into the Lease; not acknowledging them "
+                        "now (a successor could acknowledge them again): trying at the next step")
+            self._unsend(sending)
+            return
+        if self._acks is None:
+            self._acks = AckRounds(self.acknowledger, self.clock, stop)
+        for target, batch in sending:
+            self._acks.send(target, [event.event.event_id for event, _ in batch],
+                            functools.partial(self._acknowledged, target, batch))
+
+    def _to_send(self, due: dict[str, list[tuple[FleetEvent, str]]]) -> list[tuple[str, list[tuple[FleetEvent, str]]]]:
+        """The batches to acknowledge now, their tracks moved to `sending` (under the lock): targets whose
+        acknowledgement is under way or backing off wait, and the hourly cap holds back what exceeds it."""
+        now = self.clock()
+        sending = []
         for target, batch in due.items():
-            batch = self._within_cap(batch, self.clock())
-            if not batch or (stop is not None and stop.is_set()) or not self.active():
+            if self._acks is not None and not self._acks.ready(target, now):
+                for event, _ in batch:
+                    self._say(self._tracks[event_key(event)], event, self._acks.waiting(target, now))
                 continue
-            self._approve(target, batch)
+            batch = self._within_cap(batch, now)
+            if not batch:
+                continue
+            self._recent.extend([now] * len(batch))   # counted against the cap now; given back if not approved
+            for event, _ in batch:
+                self._tracks[event_key(event)].stage = "sending"
+            sending.append((target, batch))
+        return sending
+
+    def _unsend(self, sending: Sequence[tuple[str, list[tuple[FleetEvent, str]]]]) -> None:
+        """Batches that were not sent after all: back to waiting, and out of the hourly count."""
+        with self._lock:
+            for _, batch in sending:
+                for event, _ in batch:
+                    track = self._tracks.get(event_key(event))
+                    if track is not None and track.stage == "sending":
+                        track.stage = "waiting"
+                    self._give_back()
+
+    def _give_back(self) -> None:
+        if self._recent:
+            self._recent.pop()
 
     def _decide(self, view: FleetView, events: dict[tuple[str, str], FleetEvent],
                 index: NodeIndex | None) -> dict[str, list[tuple[FleetEvent, str]]]:
@@ -218,7 +282,7 @@ class FleetApprover:
         now = self.clock()
         for key in [key for key in self._tracks if key not in events]:
             gone = self._tracks[key]
-            if not view.over(gone.event.event_id):
+            if not view.over(gone.event.event_id, gone.listed):
                 continue   # not open in this view, yet not known to be over (a commit that failed): kept
             if gone.nodes and self.nodes is not None and index is None:
                 continue   # over, but the nodes cannot be touched now: undone at a later step
@@ -246,7 +310,8 @@ class FleetApprover:
             if track.place is None or track.event is not fleet_event:
                 track.event, track.place = fleet_event, place_of(fleet_event)
             decision = decide(self.policy, fleet_event.event, None, now, track.first_seen, track.place)
-            if decision.rule is not None and decision.rule.node and not self._acted(track, decision.rule, index):
+            if decision.rule is not None and decision.rule.node and not self._acted(view, track, decision.rule,
+                                                                                     index):
                 continue
             if decision.action != "approve" or decision.rule is None:
                 self._say(track, fleet_event, decision.reason)
@@ -306,7 +371,7 @@ class FleetApprover:
     @staticmethod
     def _in_progress(track: _Track) -> bool:
         """Whether the event counts against the rollout limits: its node actions begun, or it approved."""
-        return track.acting.state != "" or track.stage in ("approved", "decided")
+        return track.acting.state != "" or track.stage in ("sending", "approved", "decided")
 
     def _may_start(self, track: _Track, now: float) -> bool:
         """Whether one more event may go in progress now (and, if so, it is counted as going): within the
@@ -348,7 +413,9 @@ class FleetApprover:
         from forewarn.node.kube import KubeError
 
         try:
-            index, fresh = self.nodes.index()
+            # Each complete snapshot may make an entry's event known to be over: the ledgers are read again then,
+            # not only every `refresh` seconds.
+            index, fresh = self.nodes.index(fresh=view.complete_snapshots != self._reconciled_at)
         except KubeError as exc:
             self._nodes_state.failing(str(exc.code or "error"), f"{exc}; node actions wait")
             return None
@@ -367,6 +434,7 @@ class FleetApprover:
                 if rule is not None and rule.after_eviction:
                     self.nodes.after_eviction(event, rule, self.nodes.nodes_of(event, index), self.dry_run)
         if fresh:
+            self._reconciled_at = view.complete_snapshots
             mine = self.nodes.owner.id
             from forewarn.fleet.gone import mark_is_mine
 
@@ -407,10 +475,12 @@ class FleetApprover:
                                "say its event ended (the per-VM agent of the node undoes it when the event leaves "
                                "its IMDS document)")
                     continue
-                if not view.over(ref.event_id):
+                if not view.over(ref.event_id, ref.listed):
                     self._hold(node, ref.key, ref.event_id, "not_known_over", held,
                                f"not open, but not known to be over either ({view.complete_snapshots} complete "
-                               "snapshot(s) in this term; two without it, or a final status, are needed)")
+                               "snapshot(s) in this term; two without it, or a final status, are needed)"
+                               if ref.listed else "not open, and known only from the queue or a push (Resource "
+                               "Graph never listed it): it is over once a feed says Completed or Canceled")
                     continue
                 log.warning("node %s holds what this instance applied for event %s, which is over: undoing it", node,
                             ref.event_id)
@@ -429,7 +499,7 @@ class FleetApprover:
         if self.held is not None:
             self.held.set(held or Tally(), waiting)
 
-    def _acted(self, track: _Track, rule: Rule, index: NodeIndex | None) -> bool:
+    def _acted(self, view: FleetView, track: _Track, rule: Rule, index: NodeIndex | None) -> bool:
         """Whether the rule's node actions are done with for this event (and the decision may go on): starts
         them on the event's nodes the first time, and says when they failed and the rule holds."""
         assert self.nodes is not None, "a policy with node actions needs FleetNodes"
@@ -440,7 +510,8 @@ class FleetApprover:
             track.nodes = self.nodes.nodes_of(event, index)
             self._say(track, event, f"rule {rule.name}: {len(rule.node)} node action(s) on "
                       f"{', '.join(track.nodes) or 'no node of this cluster'}")
-            track.acting.begin(self.nodes.act(event, rule, track.nodes, self.dry_run))
+            track.listed = view.listed(event_key(event))
+            track.acting.begin(self.nodes.act(event, rule, track.nodes, self.dry_run, listed=track.listed))
             return False
         if not track.acting.finished():
             return False
@@ -461,33 +532,43 @@ class FleetApprover:
         self._cap_said = len(batch) > room
         return batch[:room]
 
-    def _approve(self, target: str, batch: list[tuple[FleetEvent, str]]) -> None:
-        from forewarn.fleet.acknowledge import AcknowledgeError
-
-        now = self.clock()
+    def _acknowledged(self, target: str, batch: list[tuple[FleetEvent, str]], result: AckResult) -> None:
+        """One acknowledgement's answer (on an AckRounds thread): approved, tried again after the target's
+        backoff, or refused for good."""
+        if result.ok:
+            self._approved(target, batch)
+            self.wake()
+            return
         with self._lock:
-            tracks = [self._tracks[event_key(event)] for event, _ in batch]
-        if not self.dry_run:
-            try:
-                self.acknowledger.acknowledge(target, [event.event.event_id for event, _ in batch])
-            except AcknowledgeError as exc:
-                with self._lock:
-                    for (event, _), track in zip(batch, tracks, strict=True):
-                        self.approvals.labels(event.event.event_type, "failed").inc()
-                        track.attempts += 1
-                        if exc.retryable:
-                            track.next_attempt = now + self._backoff.delay(track.attempts - 1)
-                        else:
-                            track.stage = "refused"
-                log.error("acknowledging %s on %s failed (%s); %s", ", ".join(e.event.event_id for e, _ in batch),
-                          target, exc, "will try again while Scheduled" if exc.retryable else "not tried again")
-                return
-        self._recent.extend([now] * len(batch))
+            for event, _ in batch:
+                self._give_back()
+                track = self._tracks.get(event_key(event))
+                if track is None or track.stage != "sending":
+                    continue   # ended meanwhile
+                track.stage = "waiting"
+                if result.stopped:
+                    continue
+                self.approvals.labels(event.event.event_type, "failed").inc()
+                track.attempts += 1
+                if result.retryable:
+                    track.next_attempt = result.next_attempt
+                else:
+                    track.stage = "refused"
+        if not result.stopped:
+            log.error("acknowledging %s on %s failed (%s); %s", ", ".join(e.event.event_id for e, _ in batch),
+                      target, result.error, "will try again while Scheduled" if result.retryable
+                      else "not tried again")
+
+    def _approved(self, target: str, batch: list[tuple[FleetEvent, str]]) -> None:
+        """The batch is acknowledged (or, in a dry run, would be): its tracks, counts, log lines and records."""
+        now = self.clock()
         at = datetime.fromtimestamp(now, tz=timezone.utc)
         records: list[Record] = []
         with self._lock:
-            for track in tracks:
-                track.stage = "decided" if self.dry_run else "approved"
+            for event, _ in batch:
+                track = self._tracks.get(event_key(event))
+                if track is not None:
+                    track.stage = "decided" if self.dry_run else "approved"
         for event, rule in batch:
             self.approvals.labels(event.event.event_type, "dry_run" if self.dry_run else "approved").inc()
             log.warning("%s event %s (%s, NotBefore %s) on %s by rule %s",

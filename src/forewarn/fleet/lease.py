@@ -73,6 +73,7 @@ class LeaseElector:
         self._written: dict[str, Any] | None = None  # the Lease as our last write left it (for the release)
         self._said: str | None = None  # the last role logged, to log each change once
         self._api = StateLog(log, f"lease {namespace}/{name}")
+        self._rounds = threading.Lock()   # a round of the loop and a publish take turns
         #: The annotations each renew writes into the Lease (forewarn.fleet.handover): called only while this
         #: replica holds the Lease; annotations it leaves out keep their values.
         self.handover: Callable[[], Mapping[str, str]] = dict
@@ -99,6 +100,10 @@ class LeaseElector:
         A failure other than 404/409 (an API error, a timeout, no connection, a stop) changes nothing: a
         holder stays the leader until its renew deadline, a standby stays standby; it is logged once per
         state change."""
+        with self._rounds:
+            return self._step()
+
+    def _step(self) -> bool:
         now = self.clock()
         try:
             held = self._round(now)
@@ -112,6 +117,22 @@ class LeaseElector:
         leader = self.is_leader
         self._say(leader)
         return leader
+
+    def publish(self) -> bool:
+        """Renew now, writing `handover()` as it is now; True once it is in the Lease. The approver calls this
+        before it sends acknowledgements, so that a successor taking over after a kill -9 knows them."""
+        with self._rounds:
+            if not self.is_leader:
+                return False
+            now = self.clock()
+            try:
+                held = self._round(now)
+            except KubeError as exc:
+                log.warning("lease %s/%s: writing the handover failed: %s", self.namespace, self.name, exc)
+                return False
+            if held:
+                self._until = now + self.lease_seconds - self.renew_every
+            return held
 
     def _round(self, now: float) -> bool:
         lease = self._get()

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from forewarn.approval.actor import ActionOutcome, DrainProgress, recording_report
@@ -65,6 +65,7 @@ class FleetNodes:
         self._lock = threading.Lock()
         self._draining: dict[str, int] = {}
         self._blocked: dict[str, float] = {}
+        self._under_way: set[Future[Any]] = set()
 
     # --- a term -------------------------------------------------------------------------------------------
     def begin(self, stop: threading.Event) -> None:
@@ -80,12 +81,39 @@ class FleetNodes:
             self._client.close()
         self._pool, self._client = None, None
 
-    def index(self) -> tuple[NodeIndex, bool]:
-        """The cluster's nodes, read again when `refresh` seconds old, and whether they were read just now (so
-        their ledgers are worth reconciling). Raises what the client raises."""
+    def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
+        assert self._pool is not None
+        future = self._pool.submit(work, *args)
+        with self._lock:
+            self._under_way.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._under_way.discard(future)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no action, undo or after-eviction work is under way (what was submitted so far has
+        finished); False if some still is after `timeout` seconds."""
+        with self._lock:
+            under_way = set(self._under_way)
+        return not wait(under_way, timeout=timeout).not_done
+
+    def index(self, fresh: bool = False) -> tuple[NodeIndex, bool]:
+        """The cluster's nodes, read again when `refresh` seconds old (or `fresh` is asked for), and whether
+        they were read just now (so their ledgers are worth reconciling). Raises KubeError when they cannot be
+        read."""
+        from forewarn.node.kube import KubeError, explain
+
         now = self.clock()
-        if self._index is None or now - self._read_at >= self.refresh:
-            self._index, self._read_at = load_nodes(self._client), now
+        if fresh or self._index is None or now - self._read_at >= self.refresh:
+            try:
+                self._index, self._read_at = load_nodes(self._client), now
+            except KubeError:
+                raise
+            except Exception as exc:  # lightkube's ApiError, or its transport's: one kind of error for the caller
+                raise explain(exc, "list nodes") from None
             return self._index, True
         return self._index, False
 
@@ -101,11 +129,12 @@ class FleetNodes:
                 nodes[node] = vm
         return nodes
 
-    def act(self, event: FleetEvent, rule: Rule, nodes: Mapping[str, str], dry_run: bool) -> Future[bool]:
+    def act(self, event: FleetEvent, rule: Rule, nodes: Mapping[str, str], dry_run: bool,
+            listed: bool = True) -> Future[bool]:
         """Run `rule`'s node actions on each of `nodes` (at once, one thread each); the future is True when
-        every node's actions succeeded."""
+        every node's actions succeeded. `listed`: Resource Graph lists the event (written in the entries)."""
         assert self._pool is not None
-        parts = [self._pool.submit(self._act_one, event, rule, node, vm, dry_run) for node, vm in nodes.items()]
+        parts = [self._submit(self._act_one, event, rule, node, vm, dry_run, listed) for node, vm in nodes.items()]
         return _all(parts)
 
     def undo(self, event: Event, nodes: Mapping[str, str], dry_run: bool, fleet_event: FleetEvent | None,
@@ -115,7 +144,7 @@ class FleetNodes:
         if self._pool is None:
             return
         for node, vm in nodes.items():
-            self._pool.submit(self._undo_one, event, node, vm, dry_run, fleet_event, legacy)
+            self._submit(self._undo_one, event, node, vm, dry_run, fleet_event, legacy)
 
     def held(self, event_id: str, node: str, detail: str) -> None:
         """Say that an undo on `node` is held back, and why: a log line and a `node_action` record (action
@@ -128,14 +157,14 @@ class FleetNodes:
         if self._pool is None:
             return
         for node, vm in nodes.items():
-            self._pool.submit(self._gone_one, event, rule, node, vm, dry_run)
+            self._submit(self._gone_one, event, rule, node, vm, dry_run)
 
     def back_in_service(self, nodes: Sequence[str], dry_run: bool) -> None:
         """Take forewarn's out-of-service taint off those of `nodes` that are Ready again, on the pool."""
         if self._pool is None:
             return
         for node in nodes:
-            self._pool.submit(self._back_one, node, dry_run)
+            self._submit(self._back_one, node, dry_run)
 
     def _gone_one(self, event: FleetEvent, rule: Rule, node: str, vm: str, dry_run: bool) -> None:
         from forewarn.fleet.gone import GoneNode
@@ -168,16 +197,17 @@ class FleetNodes:
             self._reporter(left_over(event_id), VmInfo(name=node), node, None)(
                 ActionOutcome("undo", "dry_run" if dry_run else "ok", detail))
 
-    def _actor(self, node: str) -> Any:
+    def _actor(self, node: str, listed: bool = True) -> Any:
         from forewarn.node.actions import KubeNodeActor
 
         return KubeNodeActor(self._client, node, poll=self.poll, stopping=self._stop, owner=self.owner,
+                             note={"listed": listed},
                              draining=lambda count: self._count(self._draining, node, count),
                              blocked=lambda since: self._count(self._blocked, node, since))
 
-    def _act_one(self, event: FleetEvent, rule: Rule, node: str, vm: str, dry_run: bool) -> bool:
+    def _act_one(self, event: FleetEvent, rule: Rule, node: str, vm: str, dry_run: bool, listed: bool) -> bool:
         try:
-            return bool(self._actor(node).act(rule.node, event.event, dry_run,
+            return bool(self._actor(node, listed).act(rule.node, event.event, dry_run,
                                               self._reporter(event.event, self._vm(event, vm, node), node, rule.name)))
         except Exception:  # a bug must not leave the event acting forever: it counts as a failed action
             log.exception("node actions for event %s on node %s failed unexpectedly", event.event.event_id, node)

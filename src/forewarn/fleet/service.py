@@ -123,7 +123,7 @@ class FleetCommitter:
         with self._lock:
             tracker = self.tracker
             return FleetView(tuple(tracker.open_events), self.complete_snapshots, self.snapshots_expected,
-                             tracker.has_ended)
+                             tracker.has_ended, tracker.was_listed)
 
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
         """Events from a push or a queue message; returns once their changes are committed (or raises)."""
@@ -430,11 +430,12 @@ def run_fleet(settings: FleetSettings) -> int:
     lease_thread = None
     if elector is not None:
         def handover_notes() -> dict[str, str]:
-            """What this term announced and approved, for the Lease; nothing while a sink has a backlog."""
+            """What this term announced (not while a sink has a backlog: those records must be announced again)
+            and approved or is about to (always: an acknowledgement must never be sent twice), for the Lease."""
+            notes = {}
             announced = committer.handover()
-            if announced is None:
-                return {}
-            notes = {handover.ANNOTATION: announced}
+            if announced is not None:
+                notes[handover.ANNOTATION] = announced
             if approver is not None:
                 notes[handover.APPROVED_ANNOTATION] = approver.handover()
             return notes
@@ -446,6 +447,8 @@ def run_fleet(settings: FleetSettings) -> int:
             term.start()
 
         elector.handover = handover_notes
+        if approver is not None:
+            approver.publish = elector.publish
 
         lease_thread = threading.Thread(target=elector.run, args=(stop, begin_term, term.stop), name="fleet-lease",
                                         daemon=True)

@@ -12,7 +12,9 @@ fleet tracker keeps, per event:
 - a bounded memory of delivery ids (duplicates dropped) and of ended events (a Completed seen again, or
   after a restart, is not reported twice);
 - for Resource Graph snapshots, which list what is open now: an open event missing from two complete
-  snapshots in a row (and not updated since before the first of them) is ended, and the change says so.
+  snapshots in a row (and not updated since before the first of them) is ended, and the change says so. Only
+  an event Resource Graph has listed counts as missing: one known only from the queue or a push may simply not
+  be listed yet (nothing documents how far Resource Graph lags), so it ends with its final status.
 
 The changes reuse the per-VM agent's kinds (`added`, `updated`, `removed` with an outcome), so records and
 metrics read the same in both modes. Everything here is pure: the caller passes the clock's value in.
@@ -100,6 +102,8 @@ class FleetView:
     #: snapshot, since until then the open events are not all known.
     snapshots_expected: bool = False
     ended: Callable[[str], bool] = lambda event_id: False
+    #: Whether Resource Graph has listed the open event of this key (event_key).
+    listed: Callable[[tuple[str, str]], bool] = lambda key: True
     #: The open events' EventIds in lower case (what a node's ledger names).
     open_ids: frozenset[str] = field(init=False)
 
@@ -110,12 +114,13 @@ class FleetView:
     def ready_for_nodes(self) -> bool:
         return not self.snapshots_expected or self.complete_snapshots > 0
 
-    def over(self, event_id: str) -> bool:
+    def over(self, event_id: str, listed: bool = True) -> bool:
         """Whether `event_id` is known to be over: the tracker ended it (a final status, or missing from two
-        complete snapshots in a row), or it is not open and two complete snapshots of this term lacked it."""
+        complete snapshots in a row), or it is not open and two complete snapshots of this term lacked it,
+        where Resource Graph had `listed` it before (else its absence may be Resource Graph's lag)."""
         if event_id.lower() in self.open_ids:
             return False
-        return self.ended(event_id) or self.complete_snapshots >= MISSING_SNAPSHOTS
+        return self.ended(event_id) or (listed and self.complete_snapshots >= MISSING_SNAPSHOTS)
 
 
 @dataclass
@@ -123,6 +128,7 @@ class _Open:
     event: FleetEvent
     updated_at: float       # the clock when this state was last changed or confirmed by a push
     missing: int = 0        # complete snapshots in a row without it
+    listed: bool = False    # a snapshot listed it: only then can it go missing
 
 
 class FleetTracker:
@@ -130,7 +136,8 @@ class FleetTracker:
 
     def __init__(self, open_events: Iterable[FleetEvent] = (), ended: Iterable[tuple[str, str]] = (),
                  now: float = 0.0) -> None:
-        self._open: dict[tuple[str, str], _Open] = {event_key(e): _Open(e, now) for e in open_events}
+        self._open: dict[tuple[str, str], _Open] = {
+            event_key(e): _Open(e, now, listed=e.origin == "resourcegraph") for e in open_events}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict((key, None) for key in ended)
         self._ended_ids: Counter[str] = Counter(event_id for _, event_id in self._ended)   # by EventId
         self._deliveries: OrderedDict[str, None] = OrderedDict()
@@ -166,7 +173,7 @@ class FleetTracker:
                 # first heard of at its end: one record says it ended (no `added` just before it)
                 self._end(key)
                 return [FleetChange(ChangeKind.REMOVED, event, None, final, EndedBy.STATUS)]
-            self._open[key] = _Open(event, now)
+            self._open[key] = _Open(event, now, listed=event.origin == "resourcegraph")
             return [FleetChange(ChangeKind.ADDED, event)]
         previous = state.event
         if STATUS_RANK.get(event.status, 0) < STATUS_RANK.get(previous.status, 0):
@@ -193,15 +200,18 @@ class FleetTracker:
         changes: list[FleetChange] = []
         listed = set()
         for event in events:
-            listed.add(event_key(event))
+            key = event_key(event)
+            listed.add(key)
             changes += self.apply(event, now)
+            if key in self._open:   # even a partial snapshot shows that Resource Graph lists it
+                self._open[key].listed = True
         if not complete:
             return changes
         for key, state in list(self._open.items()):
             if key in listed:
                 state.missing = 0
                 continue
-            if state.updated_at > started_at:
+            if state.updated_at > started_at or not state.listed:
                 continue
             state.missing += 1
             if state.missing >= MISSING_SNAPSHOTS:
@@ -211,6 +221,11 @@ class FleetTracker:
                 changes.append(FleetChange(ChangeKind.REMOVED, last, last, removal_outcome(last.event),
                                            EndedBy.MISSING))
         return changes
+
+    def was_listed(self, key: tuple[str, str]) -> bool:
+        """Whether the open event `key` (event_key) was listed by a Resource Graph snapshot."""
+        state = self._open.get(key)
+        return state is not None and state.listed
 
     def has_ended(self, event_id: str) -> bool:
         """Whether an event with this EventId (any target) is remembered as ended."""

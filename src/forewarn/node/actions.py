@@ -54,8 +54,10 @@ class KubeNodeActor(NodeHandle):
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time,
                  poll: float = 1.0, draining: Callable[[int], None] | None = None,
                  stopping: threading.Event | None = None,
-                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None) -> None:
-        super().__init__(client, node, clock=clock, poll=poll, stopping=stopping, blocked=blocked, owner=owner)
+                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None,
+                 note: dict[str, Any] | None = None) -> None:
+        super().__init__(client, node, clock=clock, poll=poll, stopping=stopping, blocked=blocked, owner=owner,
+                         note=note)
         self._draining = draining or (lambda _count: None)
         self._drains = 0
         self._drains_lock = threading.Lock()

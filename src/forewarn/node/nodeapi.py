@@ -100,12 +100,14 @@ class NodeHandle:
 
     def __init__(self, client: Client, node: str, *, clock: Callable[[], float] = time.time, poll: float = 1.0,
                  stopping: threading.Event | None = None,
-                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None) -> None:
+                 blocked: Callable[[float], None] | None = None, owner: Owner | None = None,
+                 note: dict[str, Any] | None = None) -> None:
         self.client = client
         self.node = node
         self.clock = clock
         self.poll = poll
         self.owner = owner or Owner(AGENT)   # whose entries this handle writes and undoes
+        self.note = dict(note or {})         # more fields for the entries it writes (fleet mode: `listed`)
         self.stopping = stopping or threading.Event()
         # Told when a drain became blocked by a PodDisruptionBudget (a Unix time), and 0 once it is not.
         self.blocked = blocked or (lambda _since: None)
@@ -120,7 +122,9 @@ class NodeHandle:
 
     def entry(self, ledger: Ledger, event_id: str) -> dict[str, Any]:
         """This owner's entry for `event_id` in `ledger`, added (naming the owner) when there is none."""
-        return ledger.setdefault(self.key(event_id), self.owner.new_entry(event_id))
+        entry = ledger.setdefault(self.key(event_id), self.owner.new_entry(event_id))
+        entry.update(self.note)
+        return entry
 
     def get_node(self) -> dict[str, Any]:
         try:
