@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.core.credentials import AccessToken
 
 from forewarn.fleet.acknowledge import Acknowledger
 from forewarn.fleet.acks import AckResult, AckRounds
+from test_fleet_approval import FixedToken
 
 from conftest import wait_until
 from peers.arm import AckCall, ArmPeer, Faults
@@ -35,11 +35,6 @@ VMSS = f"/subscriptions/{SUB}/resourceGroups/rg-acks/providers/Microsoft.Compute
 
 def eid(n: int) -> str:
     return str(uuid.UUID(int=50_000 + n))
-
-
-class FixedToken:
-    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
-        return AccessToken("ack-token", 2_000_000_000)
 
 
 @pytest.fixture
