@@ -51,6 +51,10 @@ def env_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
 OPERATOR = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "dashboards": {"enabled": True}}
 MATRIX: dict[str, dict[str, Any]] = {
     "subscriptions and a queue": FLEET,
+    "subscriptions, resource groups and a queue": fleet(fleet={"resourceGroups": ["rg-a", "MC_rg-a_aks-a_westeurope"]}),
+    "resource groups and a push route, no Resource Graph": {
+        "mode": "fleet", "fleet": {"clientId": CLIENT_ID, "resourceGroups": ["rg-a"], "eventgrid": {
+            "path": "/eventgrid", "sharedSecret": {"name": "forewarn-eventgrid"}}}},
     "management group, one replica, no network policy, own service account": {
         "mode": "fleet", "networkPolicy": {"enabled": False},
         "serviceAccount": {"create": False, "name": "forewarn-central"},
@@ -274,7 +278,13 @@ def test_secrets_are_mounted_from_existing_secrets_by_name() -> None:
     (fleet(fleet={"replica": 3}), "at '/fleet': additional properties 'replica' not allowed"),
     # what one value cannot say alone: the templates stop with a message naming the values
     ({"mode": "fleet", "fleet": {"subscriptions": [SUBSCRIPTION]}}, "mode: fleet needs fleet.clientId"),
+    (fleet(fleet={"resourceGroups": ["rg-a."]}), "at '/fleet/resourceGroups/0': 'rg-a.' does not match pattern"),
+    (fleet(fleet={"resourceGroups": ["rg-a,rg-b"]}), "at '/fleet/resourceGroups/0': 'rg-a,rg-b' does not match"),
+    (fleet(fleet={"resourceGroups": ["rg-a", "rg-a"]}), "at '/fleet/resourceGroups': items at 0 and 1 are equal"),
+    (fleet(fleet={"resourceGroups": "rg-a"}), "at '/fleet/resourceGroups': got string, want array"),
     ({"mode": "fleet", "fleet": {"clientId": CLIENT_ID}}, "mode: fleet needs a source: fleet.subscriptions"),
+    ({"mode": "fleet", "fleet": {"clientId": CLIENT_ID, "resourceGroups": ["rg-a"]}},
+     "and/or fleet.eventgrid.path (Event Grid push); fleet.resourceGroups only narrows a source"),
     (fleet(fleet={"managementGroups": ["platform"]}),
      "fleet.subscriptions and fleet.managementGroups: give one scope or the other"),
     (fleet(fleet={"eventgrid": {"path": "/eventgrid"}}), "fleet.eventgrid.path needs fleet.eventgrid.sharedSecret"),
@@ -316,9 +326,12 @@ def overlay_inputs() -> dict[str, Any]:
     docs = build(OVERLAY)
     (main,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in main["env"]}
-    return {"mode": "fleet", "fleet": {
+    values: dict[str, Any] = {"mode": "fleet", "fleet": {
         "clientId": one(docs, "ServiceAccount")["metadata"]["annotations"]["azure.workload.identity/client-id"],
         "subscriptions": env["FOREWARN_SUBSCRIPTION"].split(","), "queue": {"url": env["FOREWARN_QUEUE_URL"]}}}
+    if "FOREWARN_RESOURCE_GROUP" in env:            # the commented example, once a user sets it
+        values["fleet"]["resourceGroups"] = env["FOREWARN_RESOURCE_GROUP"].split(",")
+    return values
 
 
 def render_like_the_overlay(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -371,6 +384,140 @@ def test_the_overlay_comparison_can_fail() -> None:
     ours = one(build(OVERLAY), "Deployment")
     rendered = one(render_like_the_overlay({**overlay_inputs(), "logLevel": "debug"}), "Deployment")
     assert rendered["spec"]["template"]["spec"] != ours["spec"]["template"]["spec"]
+
+
+# -- a scope below the subscription, and two scopes in one cluster ----------------------------------------------
+
+RESOURCE_GROUPS = ["rg-a", "MC_rg-a_aks-a_westeurope"]
+
+
+def resolved(docs: list[dict[str, Any]], namespace: str = NAMESPACE) -> Any:
+    """The settings `forewarn fleet` resolves from a rendered pod's environment (the downward API's namespace
+    filled in)."""
+    from forewarn.cli import build_parser
+    from forewarn.config import resolve_fleet
+
+    environ = {k: v for k, v in env_of(docs).items() if isinstance(v, str)}
+    environ["FOREWARN_LEASE_NAMESPACE"] = namespace
+    return resolve_fleet(build_parser().parse_args(["fleet"]), environ=environ)
+
+
+def test_resource_groups_become_forewarn_resource_group_and_the_scope() -> None:
+    from forewarn.fleet.service import fleet_scope
+
+    assert "FOREWARN_RESOURCE_GROUP" not in env_of(render(FLEET))          # the whole subscription by default
+    docs = render(fleet(fleet={"resourceGroups": RESOURCE_GROUPS}))
+    assert env_of(docs)["FOREWARN_RESOURCE_GROUP"] == "rg-a,MC_rg-a_aks-a_westeurope"
+    settings = resolved(docs)
+    assert settings.resource_group == RESOURCE_GROUPS and settings.subscription == [SUBSCRIPTION]
+    assert fleet_scope(settings).resource_groups == ("mc_rg-a_aks-a_westeurope", "rg-a")
+
+
+def test_the_schema_takes_the_resource_group_names_forewarn_takes() -> None:
+    """values.schema.json's pattern against forewarn's own check, on one render: every refused name is reported
+    by its index. The chart is stricter in one way only: a comma (forewarn's list separator) and outer blanks."""
+    from forewarn.cli import build_parser
+    from forewarn.config import ConfigError, resolve_fleet
+
+    names = ["rg", "a" * 90, "a" * 91, "rg.", ".rg", "r.g", "rg-\u00e4", "\u0440\u0433", "rg(1)", "rg_1", "bad/rg",
+             "rg name", "", "rg\u0663", "\u216b", "e\u0301", "rg\u00bd", "rg;drop", "rg\"", "a,b", " rg"]
+    result = helm("template", RELEASE, str(CHART), values=fleet(fleet={"resourceGroups": names}))
+    refused = {int(i) for i in re.findall(r"at '/fleet/resourceGroups/(\d+)'", result.stderr)}
+    assert refused and result.returncode == 1, result.stderr
+
+    for index, name in enumerate(names):
+        try:
+            taken = resolve_fleet(build_parser().parse_args(["fleet"]), environ={
+                "FOREWARN_RESOURCE_GROUP": name, "FOREWARN_QUEUE_URL": QUEUE_URL}).resource_group == [name]
+        except ConfigError:
+            taken = False
+        if "," in name or name != name.strip():
+            assert index in refused, name
+        else:
+            assert (index not in refused) == taken, (name, taken)
+
+
+def test_two_releases_in_one_namespace_get_two_leases_and_two_owners() -> None:
+    """Two scopes in one cluster: each release's Lease is its own by default (else one instance stands by for
+    ever), its Role may touch that Lease only, and the owners their node actions' ledger entries name differ."""
+    from forewarn.fleet.service import fleet_scope
+
+    leases, owners = {}, set()
+    for release, groups in (("fleet-a", ["rg-a"]), ("fleet-b", ["rg-b"]), ("forewarn-c", ["rg-c"])):
+        docs = render(fleet(fleet={"resourceGroups": groups}), release=release)
+        lease = env_of(docs)["FOREWARN_LEASE_NAME"]
+        assert [r["resourceNames"] for r in one(docs, "Role")["rules"] if "resourceNames" in r] == [[lease]]
+        leases[release] = lease
+        settings = resolved(docs)
+        owners.add(str(fleet_scope(settings).owner(f"{settings.lease_namespace}/{settings.lease_name}")))
+    assert leases == {"fleet-a": "fleet-a-forewarn", "fleet-b": "fleet-b-forewarn", "forewarn-c": "forewarn-c"}
+    assert len(owners) == 3
+    # the same scope under another Lease is another owner too: the Lease is part of the owner
+    assert fleet_scope(settings).owner("monitoring/x") != fleet_scope(settings).owner("monitoring/y")
+
+
+# -- the kustomize overlay for a second scope ------------------------------------------------------------------
+
+SECOND = "overlays/fleet-second-scope"
+
+
+def test_the_second_scope_overlay_validates_and_shares_nothing_with_the_first() -> None:
+    import kubernetes_validate
+
+    first, second = build(OVERLAY), build(SECOND)
+    for doc in second:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    # everything but the namespace, which ../fleet makes, under names of its own
+    assert sorted(d["kind"] for d in second) == sorted(d["kind"] for d in first if d["kind"] != "Namespace")
+    names = {(d["kind"], d["metadata"]["name"]) for d in first}
+    assert not names & {(d["kind"], d["metadata"]["name"]) for d in second}
+    env_a, env_b = (env_of(docs) for docs in (first, second))
+    assert env_a["FOREWARN_LEASE_NAME"] != env_b["FOREWARN_LEASE_NAME"]
+    assert env_a["FOREWARN_QUEUE_URL"] != env_b["FOREWARN_QUEUE_URL"]
+    assert "FOREWARN_RESOURCE_GROUP" not in env_a and env_b["FOREWARN_RESOURCE_GROUP"]
+    for docs in (first, second):
+        leases = [r["resourceNames"] for r in one(docs, "Role")["rules"] if "resourceNames" in r]
+        assert leases == [[env_of(docs)["FOREWARN_LEASE_NAME"]]]
+        binding, account = one(docs, "RoleBinding"), one(docs, "ServiceAccount")["metadata"]
+        assert binding["roleRef"]["name"] == one(docs, "Role")["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
+                                        "namespace": account["namespace"]}]
+        assert pod(docs)["serviceAccountName"] == account["name"]
+    # no selector of one instance selects the other's pods, the spread constraints included
+    for docs, other in ((first, second), (second, first)):
+        pods = one(other, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        selectors = [one(docs, "Deployment")["spec"]["selector"]["matchLabels"]]
+        selectors += [c["labelSelector"]["matchLabels"] for c in pod(docs)["topologySpreadConstraints"]]
+        for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
+            spec = one(docs, kind)["spec"]
+            selectors.append(spec.get("selector", {}).get("matchLabels", spec.get("selector"))
+                             if kind != "NetworkPolicy" else spec["podSelector"]["matchLabels"])
+        for selector in selectors:
+            assert not selector.items() <= pods.items(), selector
+    settings = resolved(second, "forewarn")
+    assert settings.resource_group == env_b["FOREWARN_RESOURCE_GROUP"].split(",")
+    assert settings.subscription == env_a["FOREWARN_SUBSCRIPTION"].split(",")      # the same subscription
+
+
+def test_the_second_scope_overlay_is_the_charts_second_release() -> None:
+    """The pod of ../fleet-second-scope is the chart's for a release named like its suffix (the environment
+    compared by name: kustomize puts the patched variables first)."""
+    second = build(SECOND)
+    env = env_of(second)
+    values = overlay_inputs()
+    values["fleet"].update(resourceGroups=env["FOREWARN_RESOURCE_GROUP"].split(","),
+                           queue={"url": env["FOREWARN_QUEUE_URL"]})
+    result = helm("template", "forewarn-fleet-b", str(CHART), "--namespace", OVERLAY_NAMESPACE, values=values)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    def by_name(spec: dict[str, Any]) -> dict[str, Any]:
+        spec = copy.deepcopy(spec)
+        spec["containers"][0]["env"] = sorted(spec["containers"][0]["env"], key=lambda e: str(e["name"]))
+        return spec
+    assert by_name(pod(rendered)) == by_name(pod(second))
+    assert one(rendered, "Role")["rules"] == one(second, "Role")["rules"]
+    assert one(rendered, "Deployment")["spec"]["selector"] == one(second, "Deployment")["spec"]["selector"]
 
 
 # -- the Azure side: the ARM template and the az script --------------------------------------------------------

@@ -111,7 +111,9 @@ chart
 {{- end -}}
 
 {{/*
-mode: fleet. The Lease's name (FOREWARN_LEASE_NAME, and the one name the Role may get and update).
+mode: fleet. The Lease's name (FOREWARN_LEASE_NAME, and the one name the Role may get and update). The fullname
+by default, which differs between two releases in one namespace: instances with different scopes (a Lease and a
+scope make a fleet instance's owner of node actions) never share a Lease, where one would stand by for ever.
 */}}
 {{- define "forewarn.leaseName" -}}
 {{- default (include "forewarn.fullname" .) .Values.fleet.leaseName -}}
@@ -127,16 +129,16 @@ message naming the values, as `forewarn fleet` would at start.
 {{- fail "hostNetwork is for mode: agent (IMDS through the node); forewarn fleet reads no IMDS" -}}
 {{- end -}}
 {{- if .Values.nodeActions.enabled -}}
-{{- fail "nodeActions.enabled is for mode: agent; mode: fleet has no node actions yet" -}}
+{{- fail "nodeActions.enabled is for mode: agent; mode: fleet's is fleet.nodeActions.enabled (with node actions in fleet.policy)" -}}
 {{- end -}}
 {{- if .Values.dryRun -}}
-{{- fail "dryRun is for mode: agent; mode: fleet approves nothing yet" -}}
+{{- fail "dryRun is for mode: agent; mode: fleet's is fleet.policy.dryRun" -}}
 {{- end -}}
 {{- if not $fleet.clientId -}}
 {{- fail "mode: fleet needs fleet.clientId (the client id of the managed identity federated with the service account, for Workload Identity)" -}}
 {{- end -}}
-{{- if not (or $fleet.subscriptions $fleet.managementGroups $fleet.queue.url) -}}
-{{- fail "mode: fleet needs a source: fleet.subscriptions or fleet.managementGroups (Resource Graph), and/or fleet.queue.url (Event Grid through a Storage queue)" -}}
+{{- if not (or $fleet.subscriptions $fleet.managementGroups $fleet.queue.url $fleet.eventgrid.path) -}}
+{{- fail (printf "mode: fleet needs a source: fleet.subscriptions or fleet.managementGroups (Resource Graph), and/or fleet.queue.url (Event Grid through a Storage queue), and/or fleet.eventgrid.path (Event Grid push)%s" (ternary "; fleet.resourceGroups only narrows a source" "" (not (empty $fleet.resourceGroups)))) -}}
 {{- end -}}
 {{- if and $fleet.subscriptions $fleet.managementGroups -}}
 {{- fail "fleet.subscriptions and fleet.managementGroups: give one scope or the other" -}}
