@@ -10,8 +10,13 @@ tracker and commits the changes' records together with the tracker's state in on
 then does the queue source delete the message: a SIGKILL at any point loses no message and, thanks to the
 saved state and the records' content-derived ids, reports no change twice.
 
-Not here yet (docs/fleet.md): the Event Grid push route, the Lease that keeps one replica active, approvals
-and node actions (part 2). Run one replica until the Lease lands.
+Event Grid pushes (`--eventgrid-path`, `add_push`) are a third source into the same committer. With
+`--lease-name` one replica is active (forewarn.fleet.lease): only the holder reads and commits, and it writes
+into the Lease what surely went out and what it approved, so a successor announces neither again and never
+acknowledges an event twice; without it, run one replica.
+With `--policy`, the active replica approves events through ARM and runs the policy's node actions
+(`FleetApprover`, `FleetNodes`), only for events within its scope and under an owner made of its scope and
+its Lease (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -359,7 +364,7 @@ def run_fleet(settings: FleetSettings) -> int:
         raise ConfigError("--subscription and --management-group: give one scope or the other")
     # --resource-group narrows whichever scope there is: alone (queue and push only), it means those
     # resource groups in every subscription the queue or push brings.
-    scope = FleetScope.of(settings.subscription, settings.management_group, settings.resource_group)
+    scope = fleet_scope(settings)
     policy = load_fleet_policy(settings)
     stop = threading.Event()
     handle_signals(stop)
@@ -415,7 +420,7 @@ def run_fleet(settings: FleetSettings) -> int:
         approver = FleetApprover(policy, acknowledger, committer.view, record, metrics.approvals,
                                  dry_run=settings.dry_run, active=committer.active,
                                  nodes=build_fleet_nodes(settings, record, metrics, owner) if policy.uses_node_actions
-                                 else None, hook_runs=metrics.hook_runs, scope=fleet_scope(settings),
+                                 else None, hook_runs=metrics.hook_runs, scope=scope,
                                  held=metrics.undo_held)
         committer.on_ended, committer.on_committed = approver.ended, approver.wake
         runners.append(approver)
