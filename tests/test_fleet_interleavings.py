@@ -393,3 +393,24 @@ def test_a_successor_after_kill_9_neither_undoes_nor_acknowledges_again(stand_in
         assert all(machine.api.node(node)["spec"].get("unschedulable") for node in NODES)
     finally:
         machine.teardown()
+
+
+def test_a_replica_that_gets_the_lease_back_does_not_approve_what_its_successor_approved(
+        stand_ins: dict[str, Any]) -> None:
+    """Found by the state machine: replica a acts on an event but is killed before approving it; b approves it;
+    b is killed and a takes the Lease back with its own track of the event, still waiting: it must take b's
+    word from the Lease and not acknowledge it again."""
+    FleetInterleavings.env = stand_ins
+    machine = FleetInterleavings()
+    machine.setup([[0]])
+    try:
+        machine.step(times=1)                          # a: the cordon, no approval yet
+        assert len(machine.arm.received.acks) == machine.acks_before
+        machine.takeover(kill=True)
+        machine.step(times=3, during="complete snapshot")
+        assert len(machine.arm.received.acks) - machine.acks_before == 1, "b approves"
+        machine.takeover(kill=True)
+        machine.step(times=3, during="complete snapshot")
+        machine.nothing_is_acknowledged_twice()
+    finally:
+        machine.teardown()

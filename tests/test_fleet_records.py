@@ -4,6 +4,7 @@ records follow, with ids that are the same for the same change whichever feed or
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_removed_records_carry_the_outcome_the_previous_status_and_how_it_ended(
     assert (removed.data["outcome"], removed.data["previous_status"], removed.data["ended_by"]) == \
         ("completed", "Started", "status")
     gone = FleetTracker()
-    gone.apply(news("Scheduled", vm, ("vm-a",)), 1)
+    gone.apply_snapshot([replace(news("Scheduled", vm, ("vm-a",)), origin="resourcegraph")], started_at=0, now=1)
     gone.apply_snapshot([], started_at=2, now=3)
     (ended,) = gone.apply_snapshot([], started_at=4, now=5)
     (record,) = change_records(ended, AT)
