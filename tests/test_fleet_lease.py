@@ -392,3 +392,143 @@ def test_the_holder_hands_over_in_the_lease_and_its_successor_reads_it(api: Kube
     clock.now = T0 + 3.6
     assert b.step()
     assert the_lease(api)["metadata"]["annotations"][ANNOTATION] == "not-b-until-it-leads"
+
+
+# --- publish(): the handover written now, before acknowledgements go out ------------------------------------
+
+def lease_puts(api: KubeApi) -> list[int | None]:
+    """The status of every PUT of the Lease so far."""
+    return [r.status for r in list(api.requests) if r.method == "PUT" and "/leases/" in r.path]
+
+
+def test_the_holder_publishes_its_handover_at_once(api: KubeApi, elector: Make) -> None:
+    """publish() renews now, between the loop's rounds, with handover() as it is at that moment."""
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a = elector("a", clock)
+    notes = {APPROVED_ANNOTATION: ""}
+    a.handover = lambda: dict(notes)
+    assert a.step()                      # created: a create hands over nothing
+    notes[APPROVED_ANNOTATION] = "AAAAAAAAAAA="
+    clock.now += 0.1                     # well before the next round (renew_every 0.5)
+    assert a.publish()
+    lease = the_lease(api)
+    assert lease["metadata"]["annotations"][APPROVED_ANNOTATION] == "AAAAAAAAAAA="
+    assert lease["spec"]["renewTime"] == "2027-01-15T08:00:00.100000Z"   # a renew: the term goes on from now
+    assert lease_puts(api) == [200] and a.is_leader
+    notes[APPROVED_ANNOTATION] = "AAAAAAAAAAA=BBBBBBBBBBB="
+    assert a.publish()                   # each publish writes what handover() says then
+    assert the_lease(api)["metadata"]["annotations"][APPROVED_ANNOTATION] == "AAAAAAAAAAA=BBBBBBBBBBB="
+
+
+def test_a_standby_publishes_nothing(api: KubeApi, elector: Make) -> None:
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a, b = elector("a", clock), elector("b", clock)
+    b.handover = lambda: {APPROVED_ANNOTATION: "BBBBBBBBBBB="}
+    assert not b.publish()               # never stepped: not the holder, and no request at all
+    assert api.requests == []
+    assert a.step() and not b.step()
+    before = len(api.requests)
+    assert not b.publish()
+    assert len(api.requests) == before, "a standby sent a request to publish"
+    assert APPROVED_ANNOTATION not in (the_lease(api)["metadata"].get("annotations") or {})
+    assert the_lease(api)["spec"]["holderIdentity"] == "a" and not b.is_leader
+
+
+def test_a_holder_past_its_renew_deadline_publishes_nothing(api: KubeApi, elector: Make) -> None:
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a = elector("a", clock)
+    a.handover = lambda: {APPROVED_ANNOTATION: "AAAAAAAAAAA="}
+    assert a.step()
+    clock.now += 1.5                     # lease_seconds 2 - renew_every 0.5: no longer sure to hold it
+    before = len(api.requests)
+    assert not a.publish() and len(api.requests) == before
+
+
+@pytest.mark.parametrize(("method", "status"), [("PUT", 500), ("PUT", 409), ("GET", 503), ("PUT", 403)])
+def test_a_publish_the_api_server_refuses_returns_false(api: KubeApi, elector: Make, method: str,
+                                                        status: int) -> None:
+    """A refused or failed write is not in the Lease, and publish() says so: the approver then sends nothing.
+    The holder stays the holder until its renew deadline (a renew of the loop may still get through)."""
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a = elector("a", clock)
+    a.handover = lambda: {APPROVED_ANNOTATION: "AAAAAAAAAAA="}
+    assert a.step()
+    api.fail_next(method, "/leases/", status)
+    assert not a.publish()
+    assert APPROVED_ANNOTATION not in (the_lease(api)["metadata"].get("annotations") or {})
+    assert a.is_leader
+    clock.now += 0.1
+    assert a.publish()                   # the next one gets through
+    assert the_lease(api)["metadata"]["annotations"][APPROVED_ANNOTATION] == "AAAAAAAAAAA="
+
+
+def test_a_publish_fails_while_the_api_server_keeps_failing(api: KubeApi, elector: Make) -> None:
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a = elector("a", clock)
+    a.handover = lambda: {APPROVED_ANNOTATION: "AAAAAAAAAAA="}
+    assert a.step()
+    api.fail_always("PUT", "/leases/", 503, "etcdserver: request timed out")
+    for _ in range(3):
+        clock.now += 0.1
+        assert not a.publish()
+    assert APPROVED_ANNOTATION not in (the_lease(api)["metadata"].get("annotations") or {})
+    api.recover()
+    assert a.publish()
+
+
+def test_a_publish_waits_for_a_round_under_way_and_never_interleaves(api: KubeApi, elector: Make,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's round holds the Lease between its read and its write (the write carries the resourceVersion
+    read); a publish coming then must not read and write in between, or one of the two writes gets 409 and the
+    holder loses its term. So publish waits for the round, and its own read comes after the round's write."""
+    from forewarn.fleet.handover import APPROVED_ANNOTATION
+
+    clock = Clock()
+    a = elector("a", clock)
+    a.handover = lambda: {APPROVED_ANNOTATION: "AAAAAAAAAAA="}
+    assert a.step()
+    calls: list[tuple[str, str]] = []
+    in_round, go_on = threading.Event(), threading.Event()
+    get, replace = a.client.get, a.client.replace
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        calls.append((threading.current_thread().name, "get"))
+        lease = get(*args, **kwargs)
+        if threading.current_thread().name == "round":
+            in_round.set()
+            assert go_on.wait(10)            # the round holds between its read and its write
+        return lease
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        calls.append((threading.current_thread().name, "replace"))
+        return replace(*args, **kwargs)
+
+    monkeypatch.setattr(a.client, "get", read)
+    monkeypatch.setattr(a.client, "replace", write)
+    results: dict[str, bool] = {}
+    clock.now += 0.1
+    round_ = threading.Thread(target=lambda: results.update(round=a.step()), name="round")
+    round_.start()
+    assert in_round.wait(10)
+    publish = threading.Thread(target=lambda: results.update(publish=a.publish()), name="publish")
+    publish.start()
+    # a negative can only be shown over some time: the publish sends nothing while the round holds
+    with pytest.raises(AssertionError, match="timed out"):
+        wait_until(lambda: any(who == "publish" for who, _ in calls), timeout=0.3, message="a request of publish")
+    go_on.set()
+    round_.join(10)
+    publish.join(10)
+    assert results == {"round": True, "publish": True}
+    assert calls == [("round", "get"), ("round", "replace"), ("publish", "get"), ("publish", "replace")]
+    assert lease_puts(api)[-2:] == [200, 200]
+    assert the_lease(api)["metadata"]["annotations"][APPROVED_ANNOTATION] == "AAAAAAAAAAA=" and a.is_leader
