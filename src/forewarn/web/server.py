@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from forewarn.httpdate import rfc1123
@@ -61,7 +61,6 @@ LINGER_SECONDS = 1.0
 _READ_CHUNK = 65536
 #: Header lines in one request, as http.client allows.
 _MAX_HEADERS = 100
-_LINE_END = re.compile(r"\r?\n")
 #: A body longer than this is not copied behind the head: the acceptor writes both in one sendmsg, a worker
 #: writes the body after the head. A fleet's /metrics is megabytes (6 MB at 10,000 VMs), and each copy is
 #: memory CPython's allocator keeps; the agent's is 86 kB with 100 events, and copying it showed as 7% of the
@@ -216,20 +215,159 @@ def http_date(moment: float | None = None) -> str:
 _PYTHON = "Python/{}.{}.{}".format(*sys.version_info[:3])
 
 
-class _Exchange:
-    """Parses one request that the acceptor has read completely, dispatches it and builds the reply in
-    memory: the status line and headers in `reply`, a large body apart in `payload`; the worker sends them.
-    HTTP/1.1 with keep-alive; HTTP/1.0 keeps the connection only when asked; every reply carries Date and
-    Server; a request refused before its handler gets a plain-text error and the connection is closed."""
+# --- the request head: one reading, at RFC 9110/9112 strictness -------------------------------------
+# Every request is read here once, before anything else sees it: where its body ends, whether its
+# connection goes on and what its handler gets all come from this one reading. A request that two readers
+# of one stream could read differently (a proxy before forewarn, and forewarn) is refused with 400 and its
+# connection closed: that disagreement is how requests get smuggled. docs/security.md lists the rules with
+# their RFC sections; tests/test_http_differential.py holds them against h11 on generated and mutated input.
+#
+# Line ends: CRLF, or a bare LF (RFC 9112 2.2 lets a recipient take one; h11 and http.client do). A CR not
+# followed by LF is refused wherever it is, so there is exactly one reading of where a line ends.
 
-    def __init__(self, head: bytes, body: bytes, client_address: Any, http: HttpServer) -> None:
+#: RFC 9110 5.6.2: token = 1*tchar. Methods and field names are tokens.
+_TCHARS = r"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+#: RFC 9112 3: request-line = method SP request-target SP HTTP-version, single spaces, the target visible
+#: ASCII only (RFC 9112 3.2 and RFC 3986: no control, space or byte past 0x7E); RFC 9112 5: field-line =
+#: field-name ":" OWS field-value OWS, no whitespace before the name (obs-fold, RFC 9112 5.2) or the colon
+#: (RFC 9112 5.1). What a value holds is checked on the whole head at once (`_CONTROL`); with every CR
+#: before an LF, no quantifier here can give back what the next one takes: a hostile head fails in linear time.
+_HEAD = re.compile(rf"({_TCHARS}) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])\r?\n((?:{_TCHARS}:[^\r\n]*\r?\n)*)\r?\n")
+_FIELD = re.compile(rf"({_TCHARS}):[\t ]*([^\r\n]*)")
+#: RFC 9110 5.5: a field value is visible characters and obs-text, with SP and HTAB between them: no NUL,
+#: no other control character (CR and LF end lines, and are checked apart).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_LENGTH = re.compile(r"[0-9]+")
+
+
+class Refusal(NamedTuple):
+    """Why a request head is refused: the status and a reason in words (never a piece of the request)."""
+
+    status: int
+    why: str
+
+
+class RequestHead(NamedTuple):
+    """A request line and its fields as read, and what follows from them: the body's length and whether
+    the connection carries another request after this one."""
+
+    method: str
+    target: str  # as sent
+    version: tuple[int, int]
+    headers: Headers
+    body_length: int
+    keep_alive: bool
+
+
+def parse_head(head: bytes, max_body_bytes: int) -> RequestHead | Refusal:
+    """The request `head` (request line and fields, up to and with the empty line), or the Refusal of a
+    request that cannot be taken: 400 for anything malformed, for no Host field in HTTP/1.1 or several in any
+    version (RFC 9112 3.2), and for framing that two readers could read differently; 505 from HTTP/2 on;
+    431 past 100 fields. A body is taken only by Content-Length and only up to `max_body_bytes` (413; with
+    0, any body); a chunked one gets 411 (413 with 0), other transfer codings 501."""
+    text = head.decode("latin-1")
+    if text.count("\n") > _MAX_HEADERS + 2:  # the request line, the fields and the empty line
+        return Refusal(431, "too many header fields")
+    match = _HEAD.fullmatch(text)
+    if match is None or _CONTROL.search(text) is not None or text.count("\r") != text.count("\r\n"):
+        return Refusal(400, _why(text))
+    method, target, major, minor, block = match.groups()
+    version = (int(major), int(minor))
+    if version[0] >= 2:
+        return Refusal(505, f"HTTP version {major}.{minor} is not supported")
+    headers = Headers()
+    for name, value in _FIELD.findall(block) if block else ():
+        headers.add(name, value.rstrip("\t "))
+    by_name = headers._by_name
+    hosts = by_name.get("host")
+    if hosts is None:
+        if version >= (1, 1):
+            return Refusal(400, "no Host field")
+    elif len(hosts) > 1:
+        return Refusal(400, "more than one Host field")
+    lengths = by_name.get("content-length")
+    codings = by_name.get("transfer-encoding")
+    if codings is not None:
+        if lengths is not None:
+            return Refusal(400, "both Content-Length and Transfer-Encoding")
+        names = [coding.strip("\t ").lower() for value in codings for coding in value.split(",")]
+        if names[-1] != "chunked":  # RFC 9112 6.3: then the body's length cannot be known
+            return Refusal(400, "a Transfer-Encoding that does not end with chunked")
+        if names != ["chunked"]:
+            return Refusal(501, "a transfer coding other than chunked")
+        if max_body_bytes == 0:
+            return Refusal(413, "no body is taken here")
+        return Refusal(411, "a chunked body; send a Content-Length")
+    length = 0
+    if lengths is not None:
+        # One field of ASCII digits: not a list (even "5, 5"), no sign, not the same field twice (RFC 9110
+        # 8.6 lets a recipient refuse those).
+        if len(lengths) > 1 or _LENGTH.fullmatch(lengths[0]) is None:
+            return Refusal(400, "Content-Length is not one number")
+        if len(lengths[0]) > 18 or int(lengths[0]) > max_body_bytes:
+            return Refusal(413, "the body is too large" if max_body_bytes else "no body is taken here")
+        length = int(lengths[0])
+    connection = by_name.get("connection")
+    if connection is None:
+        keep_alive = version >= (1, 1)
+    else:  # a list of options, in any case (RFC 9110 7.6.1)
+        options = {option.strip("\t ").lower() for value in connection for option in value.split(",")}
+        keep_alive = "close" not in options and (version >= (1, 1) or "keep-alive" in options)
+    return RequestHead(method, target, version, headers, length, keep_alive)
+
+
+_TOKEN_ONLY = re.compile(_TCHARS)
+_TARGET = re.compile(r"[\x21-\x7e]+")
+_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
+_FIELD_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
+
+
+def _why(text: str) -> str:
+    """The first rule of `_HEAD` that `text` breaks, for the log and the 400's text: never a piece of the
+    request itself, whose query may hold a secret."""
+    if re.search(r"\r(?!\n)", text):
+        return "a CR that does not end a line"
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    words = lines[0].split(" ")
+    if not lines[0]:
+        return "an empty line before the request line"
+    if len(words) != 3:
+        return "a request line that is not method, target and version with one space between"
+    if _VERSION.fullmatch(words[2]) is None:
+        return "bad request version"
+    if _TOKEN_ONLY.fullmatch(words[0]) is None:
+        return "a method that is not a token"
+    if _TARGET.fullmatch(words[1]) is None:
+        return "a control character, space or non-ASCII byte in the request target"
+    for line in lines[1:]:
+        if not line:
+            break
+        name, colon, value = line.partition(":")
+        if line[0] in "\t ":
+            return "whitespace before a field name (obs-fold is not accepted)"
+        if not colon:
+            return "a field line without a colon"
+        if _TOKEN_ONLY.fullmatch(name) is None:
+            return "a field name that is not a token"
+        if _FIELD_VALUE.fullmatch(value) is None:
+            return "a NUL in a field value" if "\0" in value else "a control character in a field value"
+    return "a malformed head"
+
+
+class _Exchange:
+    """Dispatches one request that the acceptor has read completely and parsed (`parse_head`), and builds
+    the reply in memory: the status line and headers in `reply`, a large body apart in `payload`; the
+    worker sends them. The connection goes on after HTTP/1.1 unless it asked to close, after HTTP/1.0 only
+    when it asked to; every reply carries Date and Server."""
+
+    def __init__(self, head: RequestHead, body: bytes, client_address: Any, http: HttpServer) -> None:
         self.head = head
         self.body = body
         self.client_address = client_address
         self.http = http
         self.reply = io.BytesIO()
-        self.close_connection = True
-        self.command = ""
+        self.close_connection = not head.keep_alive
+        self.command = head.method
         self.action: Response | None = None  # a reset or a hang instead of an answer
         #: A large body, sent after `reply` (the status and headers) as it is, rather than copied behind them.
         self.payload: tuple[bytes, ...] | Stream = ()
@@ -240,78 +378,12 @@ class _Exchange:
         lines += [f"{name}: {value}" for name, value in headers]
         self.reply.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace"))
 
-    def _refuse(self, status: int, explain: str) -> None:
-        """Answer a request refused before any handler ran, and close the connection."""
-        log.debug("%s: refused with %d: %s", self.client_address[0], status, explain)
-        self.close_connection = True
-        phrase = _PHRASES[status]
-        body = f"{status} {phrase}: {explain}\n".encode("utf-8", "replace")
-        self._start(status, phrase, [("Connection", "close"), ("Content-Type", "text/plain; charset=utf-8"),
-                                     ("Content-Length", str(len(body)))])
-        if self.command != "HEAD":
-            self.reply.write(body)
-
-    def parse(self) -> Request | None:
-        """The request, or None when it was refused (answered already): 400 for a malformed request line,
-        version or header line, 505 from HTTP/2.0, 431 past 100 headers; HTTP/0.9 only for GET;
-        keep-alive from HTTP/1.1, or when asked. The acceptor has bounded the head (max_request_bytes)."""
-        line_end = self.head.find(b"\n")
-        raw_line = self.head if line_end < 0 else self.head[:line_end + 1]
-        line = str(raw_line, "iso-8859-1").rstrip("\r\n")
-        self.request_version = "HTTP/1.0"  # also a request line without a version (HTTP/0.9)
-        words = line.split()
-        if not words:
-            return None
-        if len(words) >= 3:
-            version = words[-1]
-            number = version[5:].split(".") if version.startswith("HTTP/") else []
-            if len(number) != 2 or not all(part.isdigit() and len(part) <= 10 for part in number):
-                self._refuse(400, f"bad request version ({version[:40]!r})")
-                return None
-            major, minor = int(number[0]), int(number[1])
-            self.close_connection = (major, minor) < (1, 1)
-            self.request_version = version
-            if major >= 2:
-                self._refuse(505, f"HTTP version {version[5:][:20]} is not supported")
-                return None
-        if not 2 <= len(words) <= 3:
-            # Without the query, which may carry a secret (an Event Grid webhook's ?code=): this goes to the log.
-            self._refuse(400, f"bad request syntax ({line.split('?', 1)[0][:80]!r})")
-            return None
-        self.command, target = words[:2]
-        if len(words) == 2:
-            self.close_connection = True
-            if self.command != "GET":
-                self._refuse(400, f"bad HTTP/0.9 request type ({self.command[:20]!r})")
-                return None
+    def run(self) -> None:
+        head = self.head
+        target = head.target
         if target.startswith("//"):  # not a scheme-relative URL to whoever reads it later
             target = "/" + target.lstrip("/")
-        block = self.head[line_end + 1:].decode("iso-8859-1") if line_end >= 0 else ""
-        headers = Headers()
-        for count, header in enumerate(_LINE_END.split(block)):
-            if not header:
-                break
-            name, colon, value = header.partition(":")
-            if header[0] in " \t" or not colon or not name or name != name.strip():
-                # Folded lines and space before the colon are refused (RFC 9112, 5.1 and 5.2): proxies read
-                # them differently, which is how requests get smuggled.
-                self._refuse(400, "bad header line")
-                return None
-            if count >= _MAX_HEADERS:
-                self._refuse(431, "too many headers")
-                return None
-            headers.add(name, value.strip(" \t"))
-        connection = (headers.get("Connection") or "").lower()
-        if connection == "close":
-            self.close_connection = True
-        elif connection == "keep-alive":
-            self.close_connection = False
-        return Request(self.command, target, headers, self.body, self.client_address)
-
-    def run(self) -> None:
-        request = self.parse()
-        if request is None:  # refused and answered (or there was no request line)
-            return
+        request = Request(head.method, target, head.headers, self.body, self.client_address)
         try:
             response = self.http._dispatch(request)
         except Exception:
@@ -336,8 +408,8 @@ class _Exchange:
         status = response.status
         phrase = _PHRASES.get(status, "")
         # The request line without its query, which may carry a secret (an Event Grid webhook's ?code=).
-        log.debug('%s "%s %s %s" %s %s', self.client_address[0], self.command, request.target.split("?", 1)[0],
-                  self.request_version, status, length)
+        log.debug('%s "%s %s HTTP/%d.%d" %s %s', self.client_address[0], self.command,
+                  request.target.split("?", 1)[0], *self.head.version, status, length)
         self._start(status, phrase, headers)
         if self.command == "HEAD":
             return
@@ -350,7 +422,7 @@ class _Exchange:
 
 
 class _Connection:
-    __slots__ = ("address", "buffer", "deadline", "head_length", "need", "scanned", "sock", "stage")
+    __slots__ = ("address", "buffer", "deadline", "head", "head_length", "need", "scanned", "sock", "stage")
 
     def __init__(self, sock: socket.socket, address: Any, deadline: float,
                  stage: Literal["hello", "handshake", "open"] = "open") -> None:
@@ -359,7 +431,8 @@ class _Connection:
         self.address = address
         self.buffer = bytearray()
         self.scanned = 0  # where the search for the end of the head resumes
-        self.head_length = 0  # once the head is complete: its length,
+        self.head: RequestHead | None = None  # once the head is complete: what it says,
+        self.head_length = 0  # its length,
         self.need = 0  # and the length of head and body together
         self.deadline = deadline
 
@@ -368,52 +441,22 @@ class _Connection:
             self.sock.close()
 
 
-def _head_end(conn: _Connection) -> int | None:
-    """The length of the complete request head at the start of the buffer, or None while incomplete.
-    A head ends with an empty line; like http.client, a bare LF is accepted as a line end."""
-    start = max(0, conn.scanned - 2)
-    ends = [i for i in (conn.buffer.find(b"\n\r\n", start), conn.buffer.find(b"\n\n", start)) if i >= 0]
-    conn.scanned = len(conn.buffer)
-    if not ends:
-        return None
-    i = min(ends)
-    return i + (3 if conn.buffer.startswith(b"\n\r\n", i) else 2)
+def head_length(buffer: bytes | bytearray, start: int = 0) -> int | None:
+    """The length of the request head at the start of `buffer` (up to and with the empty line that ends it),
+    or None while it is incomplete; `start`: where the search may begin (what was searched already, but
+    for the last two bytes). A line ends with LF, CRLF or not (see `parse_head`)."""
+    start = max(0, start - 2)
+    crlf, lf = buffer.find(b"\n\r\n", start), buffer.find(b"\n\n", start)
+    if crlf < 0:
+        return lf + 2 if lf >= 0 else None
+    return crlf + 3 if lf < 0 or crlf < lf else lf + 2
 
 
-def _body_length(head: bytes, limit: int) -> int | tuple[int, str]:
-    """The length of the body that follows `head`, or the refusal (status, reason) for its framing.
-    Only Content-Length framing is taken, up to `limit` bytes; with a limit of 0, any body is refused."""
-    lowered = head.lower()
-    if b"content-length" not in lowered and b"transfer-encoding" not in lowered:
-        return 0  # no framing header at all: a scrape, a probe
-    lengths = set()
-    chunked = False
-    for line in head.split(b"\n")[1:]:
-        name, colon, value = line.partition(b":")
-        if colon:
-            name = name.strip().lower()
-            if name == b"content-length":
-                lengths.add(value.strip())
-            elif name == b"transfer-encoding":
-                chunked = True
-    if limit == 0 and (chunked or lengths - {b"0"}):
-        return 413, "Content Too Large"
-    if chunked:
-        return 411, "Length Required"
-    if not lengths:
-        return 0
-    length = lengths.pop() if len(lengths) == 1 else b""  # two different lengths: which one is true?
-    if not length.isdigit():
-        return 400, "Bad Request"
-    if int(length) > limit:
-        return 413, "Content Too Large"
-    return int(length)
-
-
-def _refusal(code: int, reason: str, text: str = "") -> bytes:
+def _refusal(code: int, reason: str, text: str, server: str) -> bytes:
     body = (text or f"{code} {reason}\n").encode()
-    return (f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    return (f"HTTP/1.1 {code} {reason}\r\nServer: {server} {_PYTHON}\r\nDate: {http_date()}\r\n"
+            f"Content-Type: text/plain; charset=utf-8\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
 
 
 def _reset(sock: socket.socket) -> None:
@@ -704,9 +747,11 @@ class HttpServer:
 
     def _next_request(self, conn: _Connection) -> bool:
         """Take the request at the start of the buffer if it is complete: True when it was answered here and
-        the connection waits for the next one (which may be in the buffer already)."""
+        the connection waits for the next one (which may be in the buffer already). A request that cannot be
+        taken is refused, and its connection closed, as soon as its head is complete."""
         if not conn.need:
-            end = _head_end(conn)
+            end = head_length(conn.buffer, conn.scanned)
+            conn.scanned = len(conn.buffer)
             limit = self.max_request_bytes
             if end is None or end > limit:
                 if end is None and len(conn.buffer) <= limit:
@@ -717,32 +762,33 @@ class HttpServer:
                 else:
                     self._refuse(conn, 431, "Request Header Fields Too Large")
                 return False
-            body = _body_length(bytes(conn.buffer[:end]), self.max_body_bytes)
-            if isinstance(body, tuple):
-                self._refuse(conn, *body)
+            parsed = parse_head(bytes(conn.buffer[:end]), self.max_body_bytes)
+            if isinstance(parsed, Refusal):
+                status, why = parsed
+                self._refuse(conn, status, _PHRASES[status], f"{status} {_PHRASES[status]}: {why}\n")
                 return False
-            conn.head_length, conn.need = end, end + body
+            conn.head, conn.head_length, conn.need = parsed, end, end + parsed.body_length
         if len(conn.buffer) < conn.need:
             return False
-        head, body_bytes = bytes(conn.buffer[:conn.head_length]), bytes(conn.buffer[conn.head_length:conn.need])
+        head = conn.head
+        assert head is not None  # set with `need`
+        body = bytes(conn.buffer[conn.head_length:conn.need]) if head.body_length else b""
         del conn.buffer[:conn.need]
         conn.scanned = conn.head_length = conn.need = 0
-        exchange = _Exchange(head, body_bytes, conn.address, self)
-        if self._inline(head):
+        conn.head = None
+        exchange = _Exchange(head, body, conn.address, self)
+        if self._inline(head.target):
             return self._answer_here(conn, exchange)
         self._hand_over(conn, exchange, None)
         return False
 
-    def _inline(self, head: bytes) -> bool:
+    def _inline(self, target: str) -> bool:
         """Whether the acceptor answers this request itself: its route is inline, the port speaks no TLS
         and the route needs no password check. Decided on the target's path as sent; `Request.path`
         reads the same path for every target this matches."""
         if self.tls:
             return False
-        line = head[:head.find(b"\n")].split()
-        if len(line) != 3:
-            return False
-        entry = self._routes.get(line[1].split(b"?", 1)[0].decode("iso-8859-1"))
+        entry = self._routes.get(target.split("?", 1)[0])
         return entry is not None and entry.inline and (self.gate is None or entry.public)
 
     def _answer_here(self, conn: _Connection, exchange: _Exchange) -> bool:
@@ -785,9 +831,9 @@ class HttpServer:
         self._submit(conn, exchange, rest)
 
     def _refuse(self, conn: _Connection, code: int, reason: str, text: str = "") -> None:
-        log.debug("%s: refused with %d %s", conn.address[0], code, reason)
+        log.debug("%s: refused with %d %s", conn.address[0], code, text.rstrip() or reason)
         try:
-            conn.sock.send(_refusal(code, reason, text))  # small enough for any socket buffer
+            conn.sock.send(_refusal(code, reason, text, self.server_version))  # small enough for any socket buffer
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             self._drop(conn)
