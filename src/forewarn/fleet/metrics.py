@@ -31,9 +31,11 @@ from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
 from forewarn.imds.document import EVENT_TYPES
+from forewarn.metrics.codecs import CODECS
 from forewarn.metrics.core import EOF, Counter, Family, Gauge, Registry, encode, negotiate
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.metrics.exposition import NodeMetrics
+from forewarn.metrics.process import ProcessFamilies
 from forewarn.web.server import Request, Response, Stream
 
 SOURCES = ("resourcegraph", "queue", "eventgrid")
@@ -162,6 +164,8 @@ class FleetMetrics:
         for result in ("received", "deleted", "poisoned", "unreadable"):
             self.queue_messages.labels(result)
         r.register(_ViewCollector(self))
+        r.register(CODECS)
+        r.register(ProcessFamilies())
 
     # --- operations named for facts ----------------------------------------------------------------
     @property

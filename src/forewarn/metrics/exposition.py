@@ -3,8 +3,9 @@
 Counters and the request histogram are ordinary prometheus-client objects, updated where things
 happen. Everything that describes the present is rendered at scrape time from the one immutable `View`
 (see `forewarn.metrics.view`): `DocumentFamilies` for what changes with the document, `LiveFamilies` for
-health and the values that depend on the scrape moment (only `seconds_to_not_before` does). A scrape
-therefore never waits for a poll, never does I/O, and always sees one consistent document.
+health and the values that depend on the scrape moment (only `seconds_to_not_before` does), and
+`ProcessFamilies` (`forewarn.metrics.process`) for the process itself. A scrape therefore never waits for a
+poll, does no I/O but read /proc/self (the kernel's memory, no disk), and always sees one consistent document.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.backlog import Backlog
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES, Document
+from forewarn.metrics.codecs import CODECS
 from forewarn.metrics.core import EOF, Counter, Family, Gauge, Header, Histogram, LabelSet, Registry, negotiate, number
 from forewarn.metrics.events import OpenEvent, event_families
+from forewarn.metrics.process import ProcessFamilies
 from forewarn.metrics.view import ViewHolder
 
 OUTCOMES = ("completed", "cancelled")
@@ -99,6 +102,8 @@ class Metrics:
             for result in APPROVAL_RESULTS:
                 self.approvals.labels(event_type, result)
         r.register(LiveFamilies(self.views, api_version, clock))
+        r.register(CODECS)
+        r.register(ProcessFamilies())  # read at each scrape, with the live families: they are of that moment
         self._rendering = SharedRendering(self.views, r)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:

@@ -1,0 +1,132 @@
+"""The `process_*` families every Prometheus client library exports, for forewarn's own process.
+
+On a plain VM they are the only way to watch the agent itself (its CPU, memory and file descriptors).
+Names, types, HELP texts and values are those of prometheus-client's `ProcessCollector`
+(prometheus_client/process_collector.py), which forewarn exported before it wrote its own exposition:
+tests/test_process_metrics.py compares the two for the same process.
+
+    process_virtual_memory_bytes     gauge    /proc/self/stat vsize
+    process_resident_memory_bytes    gauge    /proc/self/stat rss, in pages, times the page size
+    process_start_time_seconds       gauge    /proc/self/stat starttime (ticks since boot) + /proc/stat btime
+    process_cpu_seconds_total        counter  /proc/self/stat utime + stime, in ticks
+    process_open_fds                 gauge    the entries of /proc/self/fd
+    process_max_fds                  gauge    the soft RLIMIT_NOFILE
+
+A scrape reads /proc/self/stat once and lists /proc/self/fd (about 20 µs together); nothing is read while
+nobody scrapes. Unlike the rest of the scrape path this is a read of the kernel's state, not of forewarn's:
+procfs answers from memory, never from a disk. The start time is read once (it never changes). The limit
+on file descriptors is `getrlimit`, one system call, instead of parsing /proc/self/limits: the soft limit
+prometheus-client reads there, without a file to open, and never stale. Without /proc (not Linux) there
+are no process families, as with prometheus-client; where the limit is unlimited, no `process_max_fds`
+(prometheus-client fails to parse "unlimited" and leaves out both fd families then).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from forewarn.metrics.core import Header, number
+
+try:
+    import resource
+except ImportError:  # not Unix: there is no /proc either
+    resource = None  # type: ignore[assignment]
+
+_VIRTUAL = Header("process_virtual_memory_bytes", "Virtual memory size in bytes.")
+_RESIDENT = Header("process_resident_memory_bytes", "Resident memory size in bytes.")
+_START = Header("process_start_time_seconds", "Start time of the process since unix epoch in seconds.")
+_CPU = Header("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.", "counter")
+_OPEN_FDS = Header("process_open_fds", "Number of open file descriptors.")
+_MAX_FDS = Header("process_max_fds", "Maximum number of open file descriptors.")
+
+
+def _read(path: str) -> bytes:
+    """A small procfs file in one read (no buffered file object: this runs at every scrape)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def _boot_time(proc: str) -> float:
+    """/proc/stat's btime: when the machine booted, as Unix time (0 when /proc has none)."""
+    for line in _read(os.path.join(proc, "stat")).splitlines():
+        if line.startswith(b"btime "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _soft_fd_limit() -> float | None:
+    """The soft limit on open files (/proc/self/limits' "Max open files" soft column); None if unlimited."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else float(soft)
+
+
+class ProcessFamilies:
+    """A collector of the process families, for a `Registry`: it writes their text itself at each scrape.
+
+    `proc` is where procfs is mounted (tests give a directory of their own)."""
+
+    def __init__(self, proc: str = "/proc", fd_limit: Callable[[], float | None] = _soft_fd_limit) -> None:
+        self._stat = os.path.join(proc, "self", "stat")
+        self._fds = os.path.join(proc, "self", "fd")
+        self._fd_limit = fd_limit
+        try:
+            self._ticks = float(os.sysconf("SC_CLK_TCK"))
+        except (ValueError, AttributeError, OSError):
+            self._ticks = 100.0
+        try:
+            self._pagesize = float(resource.getpagesize()) if resource is not None else 4096.0
+        except (AttributeError, OSError):
+            self._pagesize = 4096.0
+        try:  # as prometheus-client: /proc/stat's boot time says whether there is a /proc to read at all
+            self._btime = _boot_time(proc)
+        except (OSError, ValueError, IndexError):
+            self._btime = 0.0
+        self._start_line = ""  # written at the first scrape: the start time never changes
+
+    @property
+    def available(self) -> bool:
+        return bool(self._btime)
+
+    def collect(self) -> Iterator[ProcessFamilies]:
+        if self._btime:
+            yield self
+
+    def write(self, out: list[str], openmetrics: bool) -> None:
+        """The families in prometheus-client's order; those whose source cannot be read are left out."""
+        try:
+            # The command name (field 2) is in parentheses and may hold spaces or parentheses: the fields
+            # that count start after the last ")". Index 0 here is field 3 (state), as in proc(5) minus 3.
+            fields = _read(self._stat).rsplit(b")", 1)[1].split()
+            vsize, rss = float(fields[20]), float(fields[21]) * self._pagesize
+            cpu = float(fields[11]) / self._ticks + float(fields[12]) / self._ticks  # as prometheus-client adds them
+            start_line = self._start_line
+            if not start_line:
+                start = float(fields[19]) / self._ticks + self._btime
+                start_line = self._start_line = f"{_START.name} {number(start)}\n"
+        except (OSError, ValueError, IndexError):
+            pass
+        else:
+            out.append(_VIRTUAL.text(openmetrics))
+            out.append(f"{_VIRTUAL.name} {number(vsize)}\n")
+            out.append(_RESIDENT.text(openmetrics))
+            out.append(f"{_RESIDENT.name} {number(rss)}\n")
+            out.append(_START.text(openmetrics))
+            out.append(start_line)
+            out.append(_CPU.text(openmetrics))
+            out.append(f"{_CPU.name} {number(cpu)}\n")
+        try:
+            open_fds = len(os.listdir(self._fds))  # the directory's own descriptor counts, as in prometheus-client
+        except OSError:
+            return
+        out.append(_OPEN_FDS.text(openmetrics))
+        out.append(f"{_OPEN_FDS.name} {number(open_fds)}\n")
+        limit = self._fd_limit()
+        if limit is not None:
+            out.append(_MAX_FDS.text(openmetrics))
+            out.append(f"{_MAX_FDS.name} {number(limit)}\n")
