@@ -2,7 +2,10 @@
 
 Over gRPC the request is encoded by `otlpwire` (the same bytes as the SDK's encoder, at a fraction of
 its cost) and sent by the SDK's exporter; over HTTP the SDK's exporter encodes it (it offers no seam
-for a request built beforehand).
+for a request built beforehand). A gRPC sink checks at start that the two still agree on the installed SDK
+(`encoder_matches_sdk`: probe records encoded both ways, and handed over by the exporter as they are); where
+they do not, it encodes with the SDK, logs that once and shows `azure_scheduled_events_own_codec_in_use{codec=
+"otlp"} 0`.
 
 The delivery worker calls `send` and counts the batch delivered only when the exporter reports SUCCESS,
 so the outbox keeps every record until the backend acknowledged it (no fire-and-forget batch processor).
@@ -22,6 +25,7 @@ through any configured proxy.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -34,9 +38,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from forewarn import __version__
-from forewarn.records import CLOUDEVENT_KEYS, Record, cloudevents
+from forewarn.metrics.codecs import CODECS, CodecChecks
+from forewarn.records import CLOUDEVENT_KEYS, JsonRecords, Record, cloudevents
 from forewarn.sinks import SinkConfigError, SinkError
 from forewarn.sinks.otlpwire import EncodedLogs, KvlistBody, Layout, LogFields, encode_request
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _SCOPE = InstrumentationScope("forewarn", __version__)
@@ -176,21 +183,90 @@ def _readable(fields: LogFields, resource: Resource) -> ReadableLogRecord:
     return ReadableLogRecord(log_record, resource=resource, instrumentation_scope=_SCOPE)
 
 
+def probe_records() -> JsonRecords:
+    """Records the start-up check encodes both ways, read back from JSON as the outbox hands them out: every field
+    a log record takes from a record, two VMs (two Resources), strings past one and two varint bytes, non-ASCII
+    text, and values of each JSON type where IMDS may put anything (an event's unknown fields, Resources that are
+    not a list, int64's bounds, floats, nested objects and lists, an empty key)."""
+    vm = {"name": "vm-0", "vm_id": "4d1824cf-fdc0-5660-b82f-b2a54105ac90", "location": "westeurope", "zone": "2",
+          "subscription_id": "s", "resource_group": "rg", "vm_scale_set": "pool", "vm_size": "Standard_D2s_v5",
+          "os_type": "Linux",
+          "resource_id": "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-0"}
+    event: dict[str, Any] = {
+        "EventId": "A1B2", "EventType": "Freeze", "ResourceType": "VirtualMachine",
+        "Resources": ["vm-0", "vm-1", "vm-\u00e9"], "EventStatus": "Scheduled",
+        "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Description": "Host maintenance, \u00e9t\u00e9 \u2603",
+        "EventSource": "Platform", "DurationInSeconds": 9}
+    hostile = {**event, "EventId": "\U0001f600" * 40, "EventStatus": "Started", "NotBefore": "", "Resources": None,
+               "DurationInSeconds": -1, "Description": "x" * 20_000, "Extra": {"": [1.5, -0.0, True, None, {"k": []}],
+               "min": -(2**63), "max": 2**63 - 1, "nested": {"a": {"b": "c"}}}}
+    cases: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, str]]] = [
+        ("added", event, {"not_before": "2022-04-11T22:26:58.000Z"}, vm),
+        ("updated", {**event, "EventStatus": "Started"}, {"previous_status": "Scheduled"}, {"name": "vm-1"}),
+        ("removed", hostile, {"previous_status": "Started", "outcome": "completed"}, vm),
+        ("approved", event, {"policy_rule": "rule-\u00e9", "dry_run": True}, vm)]
+    records = []
+    for number, (change, body, extra, on) in enumerate(cases):
+        data = {"change": change, "incarnation": 2**40 if number == 3 else number, "event": body,
+                "affects_this_vm": number % 2 == 0, "vm": on, "not_before": None, **extra}
+        records.append(Record(id=f"id-{number}", source=f"/subscriptions/s/vm-{number}",
+                              type=f"io.github.forewarn.scheduled_event.{change}", subject=str(body["EventId"]),
+                              time="2024-05-01T12:00:00.123Z", data=data).to_json())
+    return JsonRecords(records)
+
+
 class OtlpSink:
     name = "otlp"
 
-    def __init__(self, endpoint: str | None = None, protocol: str | None = None) -> None:
+    def __init__(self, endpoint: str | None = None, protocol: str | None = None,
+                 codecs: CodecChecks = CODECS) -> None:
         self.protocol = _protocol(protocol)
         check_header_variables(os.environ)
         self._endpoint = endpoint
-        self._exporter: Any = self._new_exporter()
         # Resources by a VM's items, and each Resource once: made once per VM, not once per batch (Resource.create
         # reads the environment and runs the detectors).
         self._resources: dict[tuple[tuple[str, Any], ...], Resource] = {}
         self._canonical: dict[Resource, Resource] = {}
+        #: Whether requests are encoded here (`otlpwire`) rather than by the SDK: over gRPC, while they agree.
+        self.own_encoder = self.protocol == "grpc"
+        self._exporter: Any = self._new_exporter()
+        if self.own_encoder:
+            self.own_encoder = self.encoder_matches_sdk()
+            codecs.checked("otlp", self.own_encoder)
+            if not self.own_encoder:
+                log.warning("OTLP: forewarn's own encoder and the installed OpenTelemetry SDK encode the probe records "
+                            "differently; requests are encoded by the SDK instead (slower)")
+                self._exporter.shutdown()
+                self._exporter = self._new_exporter()
+
+    def encoder_matches_sdk(self) -> bool:
+        """Whether this sink's own gRPC request for `probe_records()` is the SDK's (`encode_logs` of the same log
+        records, serialised), byte for byte, and the exporter sends it as it is (its private `_translate_data`
+        and `_client`, which `otlpwire.grpc_exporter` relies on, still work as they did)."""
+        from forewarn.sinks.otlpwire import SerializedLogsStub
+
+        try:
+            from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+
+            records = probe_records()
+            ours = self.encode(records)
+            theirs = encode_logs(self.encode(records, own=False)).SerializeToString()
+            if not isinstance(ours, EncodedLogs) or ours.request != theirs or ours.count != len(records):
+                return False
+            handed = self._exporter._translate_data(ours)
+            if isinstance(self._exporter._client, SerializedLogsStub):
+                return bool(handed == theirs)
+            return bool(handed.SerializeToString() == theirs)
+        except Exception:  # any change in the SDK's internals means: let the SDK encode
+            log.debug("OTLP: the start-up check of the own encoder failed", exc_info=True)
+            return False
 
     def _new_exporter(self) -> Any:
         if self.protocol == "grpc":
+            if not self.own_encoder:
+                from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
+
+                return GrpcExporter(endpoint=self._endpoint)
             from forewarn.sinks.otlpwire import grpc_exporter
 
             return grpc_exporter(self._endpoint)
@@ -230,11 +306,11 @@ class OtlpSink:
         resource = resource_for(dict(vm))
         return self._canonical.setdefault(resource, resource)
 
-    def encode(self, records: Sequence[Record]) -> Any:
-        """The export of `records`, ready for `send_encoded`: over gRPC the request itself, over HTTP the
-        SDK's log records (its exporter encodes them)."""
+    def encode(self, records: Sequence[Record], own: bool | None = None) -> Any:
+        """The export of `records`, ready for `send_encoded`: with the own encoder (`own`, by default while
+        `own_encoder`) the gRPC request itself, otherwise the SDK's log records (its exporter encodes them)."""
         groups = self._by_resource(cloudevents(records))
-        if self.protocol == "grpc":
+        if self.own_encoder if own is None else own:
             logs = ((resource, [_fields(body, encoded=True) for body in group]) for resource, group in groups.items())
             return EncodedLogs(encode_request(logs, _SCOPE), len(records))
         return [_readable(_fields(body), resource) for resource, group in groups.items() for body in group]
