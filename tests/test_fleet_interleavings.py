@@ -11,7 +11,8 @@ stand-in, the Acknowledger against the ARM stand-in over TLS.
 After every step the invariants are checked:
 - a node whose ledger has an entry holding a cordon is cordoned;
 - an entry of fleet mode for event E is only ever removed once E is over in the world (a final status, or gone),
-  so a node cordoned for E is never made schedulable while E is Scheduled or Started;
+  so a node cordoned for E is never made schedulable while E is Scheduled or Started; and never written for an
+  event the replica's feeds had said ended (not even one whose end came while it was listing the nodes);
 - the agents' entries are only ever changed by the agents (fleet mode never writes to them);
 - no event is acknowledged twice.
 """
@@ -233,7 +234,7 @@ class FleetInterleavings(RuleBasedStateMachine):
     def _snapshot_now(self, complete: bool, dropped: frozenset[int] = frozenset()) -> None:
         rows = [with_status(w.event, w.status) for n, w in self.world.items()
                 if w.listed and w.open and n not in dropped]
-        self.replica.committer.snapshot(rows, started_at=self.replica.committer.clock() - 0.001, complete=complete)
+        self.replica.committer.snapshot(rows, started_at=self.replica.committer.clock(), complete=complete)
 
     @rule(complete=st.booleans(), catch_up=st.booleans(), drop=st.sets(st.integers(0, 50), max_size=2))
     def snapshot(self, complete: bool, catch_up: bool, drop: set[int]) -> None:
@@ -255,19 +256,25 @@ class FleetInterleavings(RuleBasedStateMachine):
 
     # --- the actors ----------------------------------------------------------------------------------------
     @rule(times=st.integers(1, 3), during=st.sampled_from(["", "complete snapshot", "partial snapshot",
-                                                            "node list fails"]))
+                                                            "an event completes", "node list fails"]))
     def step(self, times: int = 1, during: str = "") -> None:
         """The active approver's ticks (acting takes one, the approval the next). `during` the first one's
-        node list: a snapshot is committed (the race of the defect: after the approver read its view), or the
-        list fails."""
+        node list: a snapshot is committed (the race of the defect: after the approver read its view), an open
+        event completes and the queue says so, or the list fails."""
         if during == "node list fails":
             self.api.fail_next("GET", r"/api/v1/nodes$", 500)
+        elif during == "an event completes":
+            opened = [w for w in self.world.values() if w.open]
+            if opened:
+                opened[0].status = "Completed"
+                self._serve()
+                self.replica.during_list.append(
+                    lambda: self.replica.committer.news([with_status(opened[0].event, "Completed")]))
         elif during:
             self.replica.during_list.append(lambda: self._snapshot_now(during == "complete snapshot"))
         for _ in range(times):
             self.replica.approver.step(threading.Event())
-            assert self.replica.nodes.wait_idle(20), "node work did not finish"
-            assert self.replica.approver.wait_idle(20), "acknowledgements did not finish"
+            assert self.replica.approver.wait_idle(20), "node work or acknowledgements did not finish"
 
     def _publish(self, replica: Replica) -> bool:
         """The approver writes its handover into the Lease before it acknowledges (LeaseElector.publish)."""
@@ -333,6 +340,10 @@ class FleetInterleavings(RuleBasedStateMachine):
         for (node, key), entry in now.items():
             if entry.get("by") == AGENT.id and not self.agent_changed and (node, key) not in self.seen:
                 raise AssertionError(f"node {node}: an agent entry {key} written by fleet mode")
+            if entry.get("by") == OWNER.id and (node, key) not in self.seen:
+                # Written in this step, after its view: by then the replica's feeds had not said it ended.
+                assert not self.replica.committer.tracker.has_ended(entry["event"]), \
+                    f"node {node}: fleet mode acted for an event its feeds said had ended"
             assert entry.get("by") in (OWNER.id, AGENT.id), (node, key, entry)
         self.seen = now
         self.agent_changed = False

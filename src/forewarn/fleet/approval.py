@@ -34,7 +34,7 @@ import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -213,9 +213,18 @@ class FleetApprover:
                 acks.close(wait=False)
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until the acknowledgements sent so far are answered (and their records written)."""
+        """Wait until the work started so far is done: node actions, undos and hooks, and acknowledgements
+        (answered, their records written); False if some is still under way after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        if self.nodes is not None and not self.nodes.wait_idle(timeout):
+            return False
+        with self._lock:
+            futures = [work.future for track in self._tracks.values() for work in (track.acting, track.preparing)
+                       if work.future is not None]
+        if wait(futures, timeout=max(0.0, end - time.monotonic())).not_done:
+            return False
         acks = self._acks
-        return acks is None or acks.wait_idle(timeout)
+        return acks is None or acks.wait_idle(max(0.0, end - time.monotonic()))
 
     def step(self, stop: threading.Event | None = None) -> None:
         """One look at the open events: decide, then acknowledge what is due, target by target. A replica that
@@ -302,6 +311,10 @@ class FleetApprover:
         due: dict[str, list[tuple[FleetEvent, str]]] = {}
         for key, fleet_event in events.items():
             if fleet_event.event.status != "Scheduled":
+                continue
+            if view.ended(fleet_event.event_id):
+                # Ended after this step's view was read (a commit while the nodes were listed): its undo may be
+                # under way already, so nothing starts for it now (endings are final, so asking late is safe).
                 continue
             track = self._tracks.get(key)
             if track is None:
