@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from forewarn.imds.wire import ProtocolError, TooLarge, Wire
 from forewarn.web.server import HttpServer, Refusal, Request, Response, head_length, parse_head
 
 #: The body limit the reader is driven with: a server that takes bodies (the fleet's Event Grid route).
@@ -265,7 +266,9 @@ LINES = [b"Host: other", b"Content-Length: 5", b"Content-Length: 0", b"Content-L
 
 
 @st.composite
-def mutated(draw: st.DrawFn, source: st.SearchStrategy[bytes]) -> bytes:
+def mutated(draw: st.DrawFn, source: st.SearchStrategy[bytes], lines: list[bytes] = LINES) -> bytes:
+    """`source`'s bytes changed in one to four places: a byte put in or taken out, a line put in, replaced,
+    dropped or repeated, the stream cut short."""
     data = bytearray(draw(source))
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["insert", "delete", "line", "replace-line", "drop-line", "duplicate-line",
@@ -281,7 +284,7 @@ def mutated(draw: st.DrawFn, source: st.SearchStrategy[bytes]) -> bytes:
             starts = [0] + [i + 1 for i, byte in enumerate(data) if byte == 0x0A]
             start = draw(st.sampled_from(starts))
             end = data.find(b"\n", start) + 1 or len(data)
-            line = draw(st.sampled_from(LINES)) + draw(st.sampled_from([b"\r\n", b"\n"]))
+            line = draw(st.sampled_from(lines)) + draw(st.sampled_from([b"\r\n", b"\n"]))
             if kind == "line":
                 data[start:start] = line
             elif kind == "replace-line":
@@ -407,3 +410,211 @@ def test_each_smuggling_shape_gets_its_answer_from_a_running_server_and_nothing_
     assert reply.count(b"HTTP/1.1 ") == 1 and b"smuggled" not in reply, reply
     if status != 200:
         assert b"Connection: close" in reply.partition(b"\r\n\r\n")[0].split(b"\r\n")
+
+
+# --- the IMDS reply reader (imds/wire.py), client role ----------------------------------------------------
+
+class _Socket:
+    """Hands the reader `data` in one piece, then the end of the stream."""
+
+    def __init__(self, data: bytes) -> None:
+        self._parts = [data] if data else []
+
+    def recv(self, size: int) -> bytes:
+        return self._parts.pop(0) if self._parts else b""
+
+
+class _Connection:
+    def __init__(self, data: bytes) -> None:
+        self.sock = _Socket(data)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    retry_after: bytes | None
+    keep_alive: bool
+
+
+def wire_reads(data: bytes) -> Reply | Refused:
+    """The reply the IMDS reader reads from `data` (then the end of the stream), as `Wire.send` takes it."""
+    wire = Wire(_Connection(data))  # type: ignore[arg-type]  # what Wire reads through: sock.recv
+    try:
+        reply, keep = wire._read_reply(1 << 20)
+    except (ProtocolError, TooLarge):
+        return Refused(None)
+    retry_after = reply.retry_after.encode("latin-1") if reply.retry_after is not None else None
+    return Reply(reply.status, reply.body, retry_after, keep and not wire._buffer)  # more bytes: closed
+
+
+def h11_client_reads(data: bytes) -> Reply | Refused:
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/metadata/scheduledevents?api-version=2020-07-01",
+                          headers=[("Host", "169.254.169.254"), ("Metadata", "true")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(data)
+    conn.receive_data(b"")
+    response: h11.Response | None = None
+    body = b""
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError:
+            return Refused(None)
+        if isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            values = [value for name, value in response.headers if name == b"retry-after"]
+            names = {name for name, _ in response.headers}
+            to_close = response.status_code not in (204, 304) and not names & {b"content-length", b"transfer-encoding"}
+            keep = conn.their_state is h11.DONE and not conn.trailing_data[0] and not to_close
+            return Reply(response.status_code, body, b", ".join(values) if values else None, keep)
+        elif not isinstance(event, h11.InformationalResponse):
+            raise AssertionError(f"h11 event not expected here: {event!r} in {data!r}")
+
+
+#: Where the IMDS reader and h11 differ on a reply, and why.
+CLIENT_DIFFERENCES = {
+    "close": "the reader closes the connection after a reply whose Connection field holds `close` anywhere "
+             "(`closed`, `x-close`), where h11 looks for the token: closing is always safe, the next poll connects",
+    "keep-alive 1.0": "an HTTP/1.0 reply with `Connection: keep-alive` keeps the connection for the reader (as "
+                      "http.client does), never for h11",
+    "content-length list": "the same Content-Length twice or as a list: h11 takes the one number (RFC 9110 8.6 "
+                           "allows either); the reader refuses the reply (a failed poll)",
+    "bare LF": "a bare LF in the status line or fields: h11 takes it as a line end (RFC 9112 2.2 allows it); the "
+               "reader wants CRLF, as IMDS sends, and refuses the reply",
+    "obs-fold": "a field line that starts with SP or HTAB: h11 unfolds it (RFC 9112 5.2 allows a client to), the "
+                "reader refuses the reply",
+    "control": "a control character other than NUL, HTAB, CR, LF, VT and FF in a field value: h11 keeps it (h11 "
+               "issue #57), the reader refuses the reply (RFC 9110 5.5: every CTL but HTAB is invalid)",
+    "CL with TE": "both Content-Length and Transfer-Encoding: h11 reads the chunks (RFC 9112 6.3), the reader refuses "
+                  "the reply, as RFC 9112 6.3 advises (\"ought to be handled as an error\"); IMDS never sends both",
+    "trailers": "a trailer field is only checked for its form and dropped by the reader; h11 also holds a "
+                "Content-Length or Transfer-Encoding there to its framing rules, and takes a bare LF there: the two "
+                "read the same reply once the trailers are taken away",
+    "chunk-ext BWS": "blanks between a chunk size and its `;` extension: RFC 9112 7.1.1 allows them (BWS) and the "
+                     "reader takes them; h11 refuses them",
+}
+
+
+def client_difference(data: bytes, ours: Reply | Refused, theirs: Reply | Refused) -> str | None:
+    """The intended reason the two read `data` differently, or None."""
+    heads, rest = [], data.lower()
+    while (end := re.search(rb"\n\r?\n", rest)) is not None:  # the heads as h11 finds them, interim ones first
+        heads.append(rest[:end.end()])
+        rest = rest[end.end():]
+        if not re.match(rb"http/1\.[0-9] 1[0-9][0-9]", heads[-1]):
+            break
+    head = heads[-1] if heads else b""
+    lines = [line.removesuffix(b"\r") for line in head.split(b"\n")[1:]]
+    fields = [line.partition(b":") for line in lines]
+    if isinstance(ours, Refused) and isinstance(theirs, Reply):
+        if any(re.search(rb"(?<!\r)\n", one) for one in heads):
+            return "bare LF"
+        if any(line[:1] in (b" ", b"\t") for line in lines):
+            return "obs-fold"
+        if any(_H11_ONLY_CONTROL.search(one) for one in heads):
+            return "control"
+        names = {name.strip() for name, _, _ in fields}
+        if {b"content-length", b"transfer-encoding"} <= names:
+            return "CL with TE"
+    trailers = _trailers_at(rest)
+    if trailers is not None:
+        without = data[:len(data) - len(rest) + trailers] + b"\r\n"
+        ours_without, theirs_without = wire_reads(without), h11_client_reads(without)
+        if ours_without == theirs_without or (isinstance(ours_without, Reply) and isinstance(theirs_without, Reply)
+                                              and ours_without.body == theirs_without.body):
+            return "trailers"
+    if isinstance(ours, Reply) and isinstance(theirs, Refused) and re.search(rb"(^|\n)[0-9a-f]+[\t ]+;", rest):
+        return "chunk-ext BWS"
+    if isinstance(ours, Reply) and isinstance(theirs, Reply) and (ours.status, ours.body, ours.retry_after) == (
+            theirs.status, theirs.body, theirs.retry_after):
+        connection = b",".join(value for name, _, value in fields if name.strip() == b"connection")
+        if not ours.keep_alive and b"close" in connection:
+            return "close"
+        if ours.keep_alive and head.startswith(b"http/1.0") and b"keep-alive" in connection:
+            return "keep-alive 1.0"
+    for one in heads:  # an interim reply's fields are checked too
+        lengths = [line.partition(b":")[2] for line in one.split(b"\n") if line.partition(b":")[0] == b"content-length"]
+        if isinstance(ours, Refused) and (len(lengths) > 1 or any(b"," in value for value in lengths)):
+            return "content-length list"
+    return None
+
+
+def _trailers_at(body: bytes) -> int | None:
+    """Where the trailer section of a chunked `body` starts, or None."""
+    at = 0
+    while (end := body.find(b"\r\n", at)) >= 0:
+        size = body[at:end].partition(b";")[0].strip()
+        if not re.fullmatch(rb"[0-9a-f]{1,8}", size):
+            return None
+        if int(size, 16) == 0:
+            return end + 2
+        at = end + 2 + int(size, 16) + 2
+    return None
+
+
+def assert_replies_agree(data: bytes) -> None:
+    ours, theirs = wire_reads(data), h11_client_reads(data)
+    if ours != theirs:
+        assert client_difference(data, ours, theirs) in CLIENT_DIFFERENCES, (
+            f"{data!r}\nwire: {ours}\nh11: {theirs}")
+
+
+@st.composite
+def replies(draw: st.DrawFn) -> bytes:
+    """A valid reply as IMDS (or something in its place) may send it: interim replies, a status, fields, and a
+    body framed by Content-Length, by chunks (with extensions and trailers) or by the end of the stream."""
+    body = draw(st.binary(max_size=40))
+    status = draw(st.sampled_from([200, 200, 404, 410, 429, 500, 503, 204]))
+    version = draw(st.sampled_from(["1.1", "1.1", "1.0"]))
+    fields = [("Content-Type", "application/json; charset=utf-8"), ("Server", "Microsoft-IIS/10.0"),
+              ("Date", "Fri, 27 Nov 2026 08:00:00 GMT")]
+    fields += draw(st.lists(st.tuples(TOKENS, VALUES), max_size=3))
+    if status in (429, 503) or draw(st.booleans()):
+        fields.append(("Retry-After", str(draw(st.integers(0, 100)))))
+    connection = draw(st.sampled_from([None, "close", "keep-alive"]))
+    if connection:
+        fields.append(("Connection", connection))
+    framing = "none" if status == 204 else draw(st.sampled_from(["length", "length", "chunked", "close"]))
+    if framing == "length":
+        fields.append(("Content-Length", str(len(body))))
+        payload = body
+    elif framing == "chunked":
+        fields.append(("Transfer-Encoding", "chunked"))
+        cut = draw(st.integers(0, len(body)))
+        parts = [part for part in (body[:cut], body[cut:]) if part]
+        payload = b"".join(b"%x%s\r\n%s\r\n" % (len(part), draw(st.sampled_from([b"", b";ext=1"])), part)
+                           for part in parts)
+        payload += b"0\r\n" + draw(st.sampled_from([b"", b"X-Trailer: 1\r\n"])) + b"\r\n"
+    else:
+        payload = b"" if status == 204 else body
+    fields = draw(st.permutations(fields))
+    interim = draw(st.sampled_from(["", "HTTP/1.1 100 Continue\r\n\r\n"]))
+    head = interim + f"HTTP/{version} {status} {draw(st.sampled_from(['OK', 'Gone', '', 'Too Many Requests']))}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in fields) + "\r\n"
+    return head.encode("latin-1") + payload
+
+
+#: Whole lines a mutation puts in a reply: framing fields and their obfuscations, and chunk-size lines.
+REPLY_LINES = [*LINES, b"HTTP/1.1 200 OK", b"HTTP/1.1 100 Continue", b"0", b"5", b"0x5", b"+5", b"5 ", b" 5",
+               b"1_0", b"5;ext", b"ffffffffffffffffffffff", b"Content-Length: 40", b"Retry-After: 7"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(replies())
+def test_valid_replies_are_read_alike(data: bytes) -> None:
+    assert_replies_agree(data)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_replies_are_taken_or_refused_alike(data: st.DataObject) -> None:
+    assert_replies_agree(data.draw(mutated(replies(), REPLY_LINES)))
