@@ -2,13 +2,13 @@
 """The floors of forewarn's direct dependencies, read from pyproject.toml, and the tests run on them.
 
 pyproject.toml's lower bounds are a promise: forewarn works with each direct dependency at its floor.
-scripts/test keeps it by installing forewarn with every runtime extra into a second venv (.venv-floor) with
+scripts/test keeps it by installing forewarn with every runtime extra into a second venv (.cache/venv-floor) with
 each direct dependency pinned to its floor (the constraints printed here, never kept by hand), and running
 there the tests that exercise those libraries (FLOOR_TESTS below). The main .venv has the newest releases.
 
     scripts/floors.py constraints   # name==floor for every direct dependency, for `pip install -c`
-    scripts/floors.py install       # what .venv-floor installs: forewarn[all] and the test tools it needs
-    scripts/floors.py tests         # the test files run in .venv-floor, one a line
+    scripts/floors.py install       # what the floor venv installs: forewarn[all] and the test tools it needs
+    scripts/floors.py tests         # the tests run there (pytest node ids), one a line
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 try:
     import tomllib
@@ -29,14 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The extra of test tools; every other extra is a runtime one (what `forewarn[all]` installs).
 TEST_EXTRA = "test"
 
-#: The test tools .venv-floor installs, at their floors from the test extra: the runner, Hypothesis (the
+#: The test tools the floor venv installs, at their floors from the test extra: the runner, Hypothesis (the
 #: property tests), prometheus-client (the reference the exposition tests compare forewarn with), cryptography
 #: (the certificates of the TLS peers) and kubernetes-validate (the schemas of tests/peers/kube_api.py).
 FLOOR_TEST_TOOLS = ("pytest", "hypothesis", "prometheus-client", "cryptography", "kubernetes-validate")
 
-#: The tests run in .venv-floor (pytest node ids), and why each: every one exercises a library at its floor
+#: The tests run in the floor venv (pytest node ids), and why each: every one exercises a library at its floor
 #: through forewarn's own code (imports, API calls, wire formats, the messages forewarn passes on); forewarn's
-#: logic alone is the main venv's business. Kept to about a minute: it is paid on every CI run.
+#: logic alone is the main venv's business. Kept to about a minute of tests: it is paid on every CI run.
 FLOOR_TESTS: dict[str, str] = {
     "tests/test_dependency_floors.py": "every module imports, and what is installed is the floors",
     "tests/test_amqp_wire.py": "azure-eventhub: forewarn's AMQP encoding against the SDK's, byte for byte, and "
@@ -111,10 +112,8 @@ def floors() -> dict[str, str]:
     return dict(sorted(result.items()))
 
 
-def _key(version: str) -> tuple[int, ...]:
-    from packaging.version import Version
-
-    return Version(version).release
+def _key(version: str) -> Version:
+    return Version(version)
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """pyproject.toml's dependency ranges are true. scripts/test runs this file in both venvs: .venv with the
-newest releases, and .venv-floor with every direct dependency at its floor (scripts/floors.py, which sets
-FOREWARN_FLOOR_VENV=1 there). docs/dependencies.md's table says the same as pyproject.toml."""
+newest releases, and .cache/venv-floor with every direct dependency at its floor (scripts/floors.py; scripts/test
+sets FOREWARN_FLOOR_VENV=1 there). docs/dependencies.md's table says the same as pyproject.toml."""
 
 from __future__ import annotations
 
@@ -65,12 +65,12 @@ def test_what_is_installed_is_within_the_declared_ranges_and_at_the_floor_in_the
         for name, floor in floors.floors().items():
             version = _installed(name)
             if version != Version(floor):
-                wrong.append(f"{name}: {version} installed in .venv-floor, the floor is {floor}")
+                wrong.append(f"{name}: {version} installed in the floor venv, the floor is {floor}")
     assert not wrong, "\n".join(wrong)
 
 
 def test_a_dependency_has_one_floor_wherever_it_is_named() -> None:
-    # A user who installs one extra gets that extra's floor; .venv-floor tests the highest. So they must agree.
+    # A user who installs one extra gets that extra's floor; the floor venv tests the highest. So they must agree.
     seen: dict[str, dict[str, str | None]] = {}
     for group, reqs in floors.requirements().items():
         if group == floors.TEST_EXTRA:
