@@ -30,9 +30,9 @@ def theirs(proc: str = "/proc") -> CollectorRegistry:
     return registry
 
 
-def ours(proc: str = "/proc", **kwargs: Any) -> Registry:
+def ours(proc: str = "/proc") -> Registry:
     registry = Registry()
-    registry.register(ProcessFamilies(proc, **kwargs))
+    registry.register(ProcessFamilies(proc))
     return registry
 
 
@@ -108,7 +108,7 @@ def test_a_command_name_with_spaces_and_parentheses_is_read_past_as_prometheus_c
     """The command name is in parentheses and may hold anything: the fields are read after the last ")". With
     every source fixed, the exposition is prometheus-client's byte for byte, in both formats."""
     proc = fake_proc(tmp_path, "a) b (c", 7, "4096")
-    mine = ours(str(proc), fd_limit=lambda: 4096.0)
+    mine = ours(str(proc))
     assert mine.render(False) == generate_latest(theirs(str(proc)))
     assert mine.render(True) == generate_openmetrics(theirs(str(proc)))
     ticks = os.sysconf("SC_CLK_TCK")
@@ -121,8 +121,10 @@ def test_a_command_name_with_spaces_and_parentheses_is_read_past_as_prometheus_c
 def test_an_unlimited_descriptor_limit_leaves_out_only_max_fds(tmp_path: Path) -> None:
     """prometheus-client cannot parse "unlimited" and then leaves out both descriptor families; here only the one
     without a number is left out."""
+    with pytest.raises(ValueError):  # prometheus-client's own reading of it
+        generate_latest(theirs(str(fake_proc(tmp_path / "theirs", "forewarn", 3, "unlimited"))))
     proc = fake_proc(tmp_path, "forewarn", 3, "unlimited")
-    names = list(values(ours(str(proc), fd_limit=lambda: None).render()))
+    names = list(values(ours(str(proc)).render()))
     assert names == NAMES[:-1]
 
 
@@ -134,15 +136,15 @@ def test_without_proc_there_are_no_process_families_as_with_prometheus_client(tm
 def test_a_source_that_cannot_be_read_leaves_out_its_families(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, "forewarn", 2, "1024")
     (proc / "self" / "stat").unlink()
-    assert list(values(ours(str(proc), fd_limit=lambda: 1024.0).render())) == NAMES[4:]
+    assert list(values(ours(str(proc)).render())) == NAMES[4:]
     for name in os.listdir(proc / "self" / "fd"):
         (proc / "self" / "fd" / name).unlink()
     (proc / "self" / "fd").rmdir()
-    assert ours(str(proc), fd_limit=lambda: 1024.0).render() == b""
+    assert ours(str(proc)).render() == b""
 
 
 @linux_only
-def test_proc_is_read_only_when_scraped_once_per_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_proc_is_read_only_when_scraped_once_per_scrape_and_the_limit_once(monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
     listed: list[str] = []
     real_open, real_listdir = os.open, os.listdir
@@ -163,7 +165,9 @@ def test_proc_is_read_only_when_scraped_once_per_scrape(monkeypatch: pytest.Monk
     assert opened == ["/proc/stat"] and listed == []  # nothing while nobody scrapes
     for scrape in range(1, 4):
         families.write([], False)
-        assert opened[1:] == ["/proc/self/stat"] * scrape and listed == ["/proc/self/fd"] * scrape
+        assert listed == ["/proc/self/fd"] * scrape
+        # the limit once, at the first scrape: forewarn never changes it
+        assert opened[1:] == ["/proc/self/stat", "/proc/self/limits"] + ["/proc/self/stat"] * (scrape - 1)
 
 
 @linux_only

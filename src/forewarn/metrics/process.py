@@ -10,28 +10,23 @@ tests/test_process_metrics.py compares the two for the same process.
     process_start_time_seconds       gauge    /proc/self/stat starttime (ticks since boot) + /proc/stat btime
     process_cpu_seconds_total        counter  /proc/self/stat utime + stime, in ticks
     process_open_fds                 gauge    the entries of /proc/self/fd
-    process_max_fds                  gauge    the soft RLIMIT_NOFILE
+    process_max_fds                  gauge    /proc/self/limits "Max open files", the soft limit
 
 A scrape reads /proc/self/stat once and lists /proc/self/fd (about 20 µs together); nothing is read while
 nobody scrapes. Unlike the rest of the scrape path this is a read of the kernel's state, not of forewarn's:
-procfs answers from memory, never from a disk. The start time is read once (it never changes). The limit
-on file descriptors is `getrlimit`, one system call, instead of parsing /proc/self/limits: the soft limit
-prometheus-client reads there, without a file to open, and never stale. Without /proc (not Linux) there
-are no process families, as with prometheus-client; where the limit is unlimited, no `process_max_fds`
-(prometheus-client fails to parse "unlimited" and leaves out both fd families then).
+procfs answers from memory, never from a disk. What does not change is read once: the start time, and the
+limit on open files from /proc/self/limits (forewarn never changes it; a `prlimit` from outside shows after a
+restart). Without /proc (not Linux) there are no process families, as with prometheus-client; where the limit
+is unlimited, no `process_max_fds` (prometheus-client fails to parse "unlimited" and leaves out both fd
+families then). No `resource` module: the agent also runs on Windows (tests/test_deploy.py).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from forewarn.metrics.core import Header, number
-
-try:
-    import resource
-except ImportError:  # not Unix: there is no /proc either
-    resource = None  # type: ignore[assignment]
 
 _VIRTUAL = Header("process_virtual_memory_bytes", "Virtual memory size in bytes.")
 _RESIDENT = Header("process_resident_memory_bytes", "Resident memory size in bytes.")
@@ -45,7 +40,7 @@ def _read(path: str) -> bytes:
     """A small procfs file in one read (no buffered file object: this runs at every scrape)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        return os.read(fd, 4096)
+        return os.read(fd, 8192)
     finally:
         os.close(fd)
 
@@ -58,12 +53,16 @@ def _boot_time(proc: str) -> float:
     return 0.0
 
 
-def _soft_fd_limit() -> float | None:
-    """The soft limit on open files (/proc/self/limits' "Max open files" soft column); None if unlimited."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else float(soft)
+def _max_fds_line(limits: bytes) -> str:
+    """The sample of process_max_fds from /proc/self/limits: the soft limit of "Max open files", as
+    prometheus-client reads it; empty when there is none or it is "unlimited"."""
+    for line in limits.splitlines():
+        if line.startswith(b"Max open file"):
+            try:
+                return f"{_MAX_FDS.name} {number(float(line.split()[3]))}\n"
+            except (ValueError, IndexError):
+                return ""
+    return ""
 
 
 class ProcessFamilies:
@@ -71,23 +70,19 @@ class ProcessFamilies:
 
     `proc` is where procfs is mounted (tests give a directory of their own)."""
 
-    def __init__(self, proc: str = "/proc", fd_limit: Callable[[], float | None] = _soft_fd_limit) -> None:
+    def __init__(self, proc: str = "/proc") -> None:
         self._stat = os.path.join(proc, "self", "stat")
+        self._limits = os.path.join(proc, "self", "limits")
         self._fds = os.path.join(proc, "self", "fd")
-        self._fd_limit = fd_limit
-        try:
-            self._ticks = float(os.sysconf("SC_CLK_TCK"))
-        except (ValueError, AttributeError, OSError):
-            self._ticks = 100.0
-        try:
-            self._pagesize = float(resource.getpagesize()) if resource is not None else 4096.0
-        except (AttributeError, OSError):
-            self._pagesize = 4096.0
+        self._ticks = self._pagesize = 0.0
         try:  # as prometheus-client: /proc/stat's boot time says whether there is a /proc to read at all
             self._btime = _boot_time(proc)
-        except (OSError, ValueError, IndexError):
+            self._ticks = float(os.sysconf("SC_CLK_TCK"))
+            self._pagesize = float(os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, IndexError, AttributeError):
             self._btime = 0.0
         self._start_line = ""  # written at the first scrape: the start time never changes
+        self._max_fds: str | None = None  # the same: read at the first scrape
 
     @property
     def available(self) -> bool:
@@ -126,7 +121,12 @@ class ProcessFamilies:
             return
         out.append(_OPEN_FDS.text(openmetrics))
         out.append(f"{_OPEN_FDS.name} {number(open_fds)}\n")
-        limit = self._fd_limit()
-        if limit is not None:
+        max_fds = self._max_fds
+        if max_fds is None:
+            try:
+                max_fds = self._max_fds = _max_fds_line(_read(self._limits))
+            except OSError:
+                max_fds = ""  # tried again at the next scrape
+        if max_fds:
             out.append(_MAX_FDS.text(openmetrics))
-            out.append(f"{_MAX_FDS.name} {number(limit)}\n")
+            out.append(max_fds)
