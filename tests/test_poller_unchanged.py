@@ -68,12 +68,13 @@ class Clock:
 
 
 def exposition(metrics: Metrics) -> list[str]:
-    """The /metrics text without what measures time spent (the request durations' buckets and sum); their
-    count stays, so a request that was not observed shows."""
+    """The /metrics text without what measures time spent (the request durations' buckets and sum, and the
+    process's own CPU, memory and descriptors); the durations' count stays, so a request that was not observed
+    shows."""
     text = metrics.render()[0].decode()
     return [line for line in text.splitlines()
             if not line.startswith(("azure_scheduled_events_imds_request_duration_seconds_bucket",
-                                    "azure_scheduled_events_imds_request_duration_seconds_sum"))]
+                                    "azure_scheduled_events_imds_request_duration_seconds_sum", "process_"))]
 
 
 def run(script: Sequence[Behaviour | None], state_dir: Path, parse_every_reply: bool) -> list[Any]:
