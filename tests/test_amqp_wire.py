@@ -13,6 +13,7 @@ from azure.eventhub._pyamqp._encode import encode_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from forewarn.metrics.codecs import CODECS
 from forewarn.records import JsonRecords, Record
 from forewarn.sinks import amqpwire
 from forewarn.sinks.eventhubs import CONTENT_TYPE, EventHubsSink, encoded_event, partition_key, to_event
@@ -70,6 +71,24 @@ def hostile_records() -> list[Record]:
 def test_the_installed_azure_eventhub_matches_and_the_sink_uses_it(sink: EventHubsSink) -> None:
     assert amqpwire.matches_sdk()
     assert sink._encode_ourselves
+    assert CODECS.own("amqp") is True        # azure_scheduled_events_own_codec_in_use{codec="amqp"} 1
+
+
+def test_a_sdk_that_no_longer_matches_makes_the_sink_encode_with_it_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(amqpwire, "matches_sdk", lambda: False)
+    monkeypatch.setattr(CODECS, "_used", dict(CODECS._used))   # the process-wide checks as they were, after
+    sink = EventHubsSink(connection_string="Endpoint=sb://127.0.0.1:1/;SharedAccessKeyName=a;SharedAccessKey=b;"
+                                           "EntityPath=hub")
+    try:
+        assert not sink._encode_ourselves and CODECS.own("amqp") is False
+        out: list[str] = []
+        for family in CODECS.collect():
+            family.write(out, openmetrics=False)
+        text = "".join(out)
+        assert 'azure_scheduled_events_own_codec_in_use{codec="amqp"} 0' in text
+    finally:
+        sink.close()
 
 
 @pytest.mark.parametrize("records", [sample_records(), hostile_records()], ids=["sample", "hostile"])

@@ -22,6 +22,7 @@ from azure.core.settings import settings as azure_settings
 from azure.eventhub import EventData, EventDataBatch, EventHubProducerClient
 from azure.eventhub.exceptions import EventHubError
 
+from forewarn.metrics.codecs import CODECS
 from forewarn.records import Record
 from forewarn.sinks import SinkConfigError, SinkError, amqpwire
 
@@ -104,6 +105,7 @@ class EventHubsSink:
                 "--sink eventhubs needs FOREWARN_EVENTHUBS_CONNECTION_STRING, --eventhubs-connection-string-file, "
                 "or --eventhubs-namespace with --eventhubs-name (Azure AD / managed identity)")
         self._encode_ourselves = amqpwire.matches_sdk()
+        CODECS.checked("amqp", self._encode_ourselves)   # azure_scheduled_events_own_codec_in_use{codec="amqp"}
         if not self._encode_ourselves:
             log.warning("the installed azure-eventhub batches events differently from the version forewarn was "
                         "tested with; events are encoded by azure-eventhub itself (slower)")
