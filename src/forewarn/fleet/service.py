@@ -117,11 +117,6 @@ class FleetCommitter:
                      len(tracker.open_events), len(tracker.ended_keys))
         return tracker
 
-    def open_events(self) -> list[FleetEvent]:
-        """The open events as last committed (for the approver, on its own thread)."""
-        with self._lock:
-            return self.tracker.open_events
-
     def view(self) -> FleetView:
         """The open events, the term's complete snapshots and the tracker's memory of endings, at one moment
         (the approver reads this once per step)."""
