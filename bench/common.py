@@ -28,10 +28,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def commit() -> str | None:
+    """The checkout's commit, "+changes" after it when src/ or bench/ differ from it (the code measured is
+    then that commit and the working tree's changes); None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=BENCH.parent, capture_output=True, text=True, check=True).stdout
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "src", "bench").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{head}+changes" if changed else head
+
+
 def header() -> dict[str, Any]:
-    """When and where a benchmark ran, for the results file."""
+    """When, where and on which code a benchmark ran, for the results file (docs/performance.md gives each
+    figure with its date and commit)."""
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "python": platform.python_version(),
     }

@@ -1,4 +1,6 @@
-"""Markdown tables from the results of the benchmarks (bench/results/*.json), for docs/performance.md.
+"""Markdown tables from the results of the benchmarks (bench/results/*.json), each titled with its run's date
+and commit: the detail behind the rows of docs/performance.md's "Current figures", and what a new run's rows
+are taken from. Partial runs count: `bench/cost.py --only PART` writes cost-PART.json, shown as its part.
 
     python bench/report.py
 """
@@ -14,6 +16,12 @@ from common import RESULTS
 def load(name: str) -> dict[str, Any] | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def when(results: dict[str, Any]) -> str:
+    """The run's date and commit, as docs/performance.md gives them."""
+    head = results.get("header", results)
+    return f"{head['date']}, commit {head.get('commit') or 'not recorded'}"
 
 
 def ratio(ours: float, base: float) -> str:
@@ -34,7 +42,7 @@ def verdict(ok: bool) -> str:
 
 
 def latency(results: dict[str, Any]) -> list[str]:
-    lines = [f"Reaction latency ({results['date']}, {results['changes']} changes per series)", "",
+    lines = [f"Reaction latency ({when(results)}, {results['changes']} changes per series)", "",
              "| poll interval | where the change shows | p50 | p99 | target (p99) | baseline p50 / p99 | "
              "p99 vs baseline | |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key in sorted((k for k in results if k.startswith("forewarn_")), key=lambda k: -float(k[9:-1])):
@@ -55,10 +63,14 @@ def latency(results: dict[str, Any]) -> list[str]:
 
 
 def cost(results: dict[str, Any]) -> list[str]:
-    lines = [f"Steady state ({results['date']})", "",
-             "| polls | configuration | polls/s | CPU per poll | vs baseline | CPU (% of a core) | RSS | |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """bench/cost.py's parts present in `results`: steady state, a changing document, scrapes."""
+    lines = [f"Steady-state cost and scrape cost ({when(results)})"]
+    if "steady_1_poll_per_s" in results or "changing_1_poll_per_s" in results:
+        lines += ["", "| polls | configuration | polls/s | CPU per poll | vs baseline | CPU (% of a core) | RSS | |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, label in (("steady_1_poll_per_s", "1/s"), ("steady_5_polls_per_s", "5/s")):
+        if key not in results:
+            continue
         block = results[key]
         for name in ("prometheus_only", "file_sink", "every_sink", "baseline"):
             row = block[name]
@@ -68,7 +80,7 @@ def cost(results: dict[str, Any]) -> list[str]:
             if key == "steady_1_poll_per_s" and name == "file_sink":  # issue 26: <= 0.15x, idle RSS <= 25 MB
                 ok = row["cpu_vs_baseline"] <= 0.15 and mb(row["rss_mib"]) <= 25
             lines.append(f"| {label} | {name.replace('_', ' ')} | {row['polls_per_s']} | "
-                         f"{row['cpu_ms_per_poll']:.3f} ms | {row.get('cpu_vs_baseline', 1):.2f}x | "
+                         f"{row['cpu_ms_per_poll']:.3f} ms | {row.get('cpu_vs_baseline', 1):.3f}x | "
                          f"{row['cpu_percent_of_a_core']:.2f}% | {rss(row['rss_mib'])} | "
                          f"{'-' if name == 'baseline' else verdict(ok)} |")
     if "changing_1_poll_per_s" in results:
@@ -76,9 +88,11 @@ def cost(results: dict[str, Any]) -> list[str]:
         for name in ("file_sink", "baseline"):
             row = block[name]
             lines.append(f"| 1/s, every poll a new document | {name.replace('_', ' ')} | {row['polls_per_s']} | "
-                         f"{row['cpu_ms_per_poll']:.3f} ms | {row.get('cpu_vs_baseline', 1):.2f}x | "
+                         f"{row['cpu_ms_per_poll']:.3f} ms | {row.get('cpu_vs_baseline', 1):.3f}x | "
                          f"{row['cpu_percent_of_a_core']:.2f}% | {rss(row['rss_mib'])} | "
                          f"{'-' if name == 'baseline' else 'measured'} |")
+    if "scrape" not in results:
+        return lines
     scrape = results["scrape"]
     lines += ["", "| /metrics | p50 | p99 | max | size |", "| --- | --- | --- | --- | --- |"]
     for events in (0, 10, 100, 1000):
@@ -86,11 +100,14 @@ def cost(results: dict[str, Any]) -> list[str]:
         lines.append(f"| {events} events, sequential, kept alive | {row['p50_ms']:.2f} ms | {row['p99_ms']:.2f} ms | "
                      f"{row['max_ms']:.1f} ms | {row['bytes'] / 1000:.0f} kB |")
     for key, label in (("floor_100_events", "floor: the same 100-event body from a bare server"),
-                       ("100_events_again", "100 events again, after the floor")):
+                       ("100_events_again", "100 events again, after the floor"),
+                       ("100_events_alternating_with_the_floor", "100 events, in turns with the floor"),
+                       ("floor_alternating", "the floor, in turns")):
         if key in scrape:
             row = scrape[key]
+            size = f"{row['bytes'] / 1000:.0f} kB" if "bytes" in row else ""
             lines.append(f"| {label} | {row['p50_ms']:.2f} ms | {row['p99_ms']:.2f} ms | {row['max_ms']:.1f} ms | "
-                         f"{row['bytes'] / 1000:.0f} kB |")
+                         f"{size} |")
     row = scrape["50_scrapers_100_events"]
     lines.append(f"| 100 events, 50 scrapers at once every second | {row['p50_ms']:.1f} ms | "
                  f"{row['p99_ms']:.1f} ms | {row['max_ms']:.1f} ms | |")
@@ -107,7 +124,7 @@ DRAIN_TARGETS = {"otlp-grpc": 10_000, "eventhubs": 10_000, "file": 50_000}
 
 def forwarding(results: dict[str, Any]) -> list[str]:
     baseline = (load("forwarding-baseline") or {}).get("drain", {})
-    lines = [f"Backlog drain ({results['date']})", "",
+    lines = [f"Backlog drain ({when(results)})", "",
              "| sink | records | forewarn records/s | CPU per record | the peer's ceiling (bare client) | "
              "before (same harness) | target |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in results["drain"].items():
@@ -125,7 +142,7 @@ def forwarding(results: dict[str, Any]) -> list[str]:
 def soak(results: dict[str, Any]) -> list[str]:
     row = results["soak"]
     trouble = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(row["trouble"].items()))
-    return [f"Fault soak ({results['date']})", "", "| measure | result | target |", "| --- | --- | --- |",
+    return [f"Fault soak ({when(results)})", "", "| measure | result | target |", "| --- | --- | --- |",
             f"| simulated time | {row['simulated_hours']} h at {row['speed']}x, {row['events']} events | >= 30 h |",
             f"| transitions produced / reported | {row['transitions_produced']} / {row['transitions_reported']} | |",
             f"| missed transitions | {len(row['missed'])} | 0 |",
@@ -147,7 +164,7 @@ def hostile(results: dict[str, Any]) -> list[str]:
     run = "quick run: " if results.get("quick") else ""
     memory = results["memory"]
     limit_mib = 100 * MB
-    lines = [f"Hostile IMDS ({run}{results['date']})", "",
+    lines = [f"Hostile IMDS ({run}{when(results)})", "",
              f"| hostile reply, {memory['seconds_each']:g} s each | requests | the collector's outcome | "
              "RSS before | peak RSS | sampled RSS max | alive, /metrics | next valid event in | |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -192,7 +209,7 @@ def hostile(results: dict[str, Any]) -> list[str]:
 def node_actions(results: dict[str, Any]) -> list[str]:
     run = "quick run: " if results.get("quick") else ""
     steady = results["with_node_actions"]["steady_s"]
-    lines = [f"Node actions ({run}{results['date']}; file sink, 1 poll/s, {steady:g} s of steady polling after the "
+    lines = [f"Node actions ({run}{when(results)}; file sink, 1 poll/s, {steady:g} s of steady polling after the "
              "event)", "",
              "| configuration | RSS | peak RSS (VmHWM) | goal | |", "| --- | --- | --- | --- | --- |"]
     for key, label in (("idle_no_policy", "no policy (idle)"), ("without_node_actions", "policy, no node actions"),
@@ -215,7 +232,7 @@ def node_actions(results: dict[str, Any]) -> list[str]:
 def image(results: dict[str, Any]) -> list[str]:
     full, slim, host = results["all"], results["slim"], results["host_idle"]
     base = results["base_size"]
-    lines = [f"Container image ({results['date']}; base {results['base']}: {base / 1e6:.0f} MB)", "",
+    lines = [f"Container image ({when(results)}; base {results['base']}: {base / 1e6:.0f} MB)", "",
              "| image | size | added to the base | build time | idle RSS in the container | same command outside |",
              "| --- | --- | --- | --- | --- | --- |"]
     for label, row in (("full (`all`)", full), ("slim", slim)):
@@ -239,7 +256,7 @@ def fleet(results: dict[str, Any]) -> list[str]:
     streaming = max(rss["stream_hwm_mib"] or 0, rss["stream_max_rss_mib"])
     waited = "" if tp["finished"] else \
         f" (stopped at {tp['bounded_at_s']:g} s: {tp['records']:,} of {tp['messages']:,})"
-    lines = [f"Fleet mode ({run}{results['date']}; {snap['events']:,} events, {snap['vms']:,} VMs, "
+    lines = [f"Fleet mode ({run}{when(results)}; {snap['events']:,} events, {snap['vms']:,} VMs, "
              f"{snap['subscriptions']} subscriptions, pages of {snap['page_rows']} rows)", "",
              "| measure | forewarn fleet | same-run floor or baseline | target | |", "| --- | --- | --- | --- | --- |",
              f"| full snapshot: first query to the last of {snap['records']:,} records in the file (process start "
@@ -277,10 +294,41 @@ def fleet(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tls(results: dict[str, Any]) -> list[str]:
+    lines = [f"/metrics over TLS with basic auth ({when(results)}; {results['events']} events, bcrypt cost "
+             f"{results['bcrypt_cost']})", "", "| /metrics | p50 | p99 | max | scrapes | |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for key, label in (("tls_basic_auth_kept_alive", "TLS + basic auth, kept alive"),
+                       ("tls_basic_auth_new_connection", "TLS + basic auth, a handshake per scrape"),
+                       ("plain_kept_alive", "plain HTTP, kept alive")):
+        row = results[key]
+        goal = f"goal p99 <= 10 ms: {verdict(row['p99_ms'] <= 10)}" if key == "tls_basic_auth_kept_alive" else ""
+        lines.append(f"| {label} | {row['p50_ms']:.2f} ms | {row['p99_ms']:.2f} ms | {row['max_ms']:.2f} ms | "
+                     f"{row['samples']} | {goal} |")
+    return lines
+
+
+def fleet_act(results: dict[str, Any]) -> list[str]:
+    run = "quick run: " if results.get("quick") else ""
+    ack, over = results["acknowledge"], results["failover"]
+    lat, floor = ack["latency"], ack["floor_bare_acknowledge"]
+    once = ack["acknowledged"] == ack["messages"] and ack["acknowledged_twice"] == 0
+    return [f"Fleet mode, acting ({run}{when(results)})", "",
+            "| measure | forewarn fleet | same-run floor | target | |", "| --- | --- | --- | --- | --- |",
+            f"| queued message to its acknowledgement, p50 / p99 / max ({ack['acknowledged']} of {ack['messages']} "
+            f"acknowledged, {ack['acknowledged_twice']} twice) | {lat['p50_ms']:.0f} / {lat['p99_ms']:.0f} / "
+            f"{lat['max_ms']:.0f} ms | the call alone {floor['p50_ms']:.1f} / {floor['p99_ms']:.1f} ms | "
+            f"p99 <= {ack['target_p99_ms']} ms | {verdict(lat['p99_ms'] <= ack['target_p99_ms'] and once)} |",
+            f"| SIGKILL of the active replica to the other active, {over['rounds']} rounds | "
+            f"{min(over['takeover_s']):.2f}-{over['max_s']:.2f} s | the lease, {over['lease_seconds']} s | "
+            f"<= {over['target_s']} s | {verdict(over['max_s'] <= over['target_s'])} |"]
+
+
 def main() -> None:
-    for name, render in (("latency", latency), ("cost", cost), ("forwarding", forwarding), ("soak", soak),
+    for name, render in (("latency", latency), ("cost", cost), ("cost-steady", cost), ("cost-changing", cost),
+                         ("cost-scrape", cost), ("tls", tls), ("forwarding", forwarding), ("soak", soak),
                          ("hostile", hostile), ("node_actions", node_actions), ("image", image),
-                         ("fleet", fleet)):
+                         ("fleet", fleet), ("fleet_act", fleet_act)):
         results = load(name)
         if results is not None:
             print("\n".join(render(results)) + "\n")
