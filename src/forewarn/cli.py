@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "the same records and metrics as `run` (docs/fleet.md). Every option can also be "
                                 "set as FOREWARN_<OPTION> or in the --config file.")
     fleet.add_argument("--config", metavar="FILE", help="YAML file of option names and values [env FOREWARN_CONFIG]")
-    add_options(fleet, FLEET_OPTIONS)
+    add_options(fleet, [o for o in FLEET_OPTIONS if o.name != "simulate"])
+    fleet_simulate = next(o for o in FLEET_OPTIONS if o.name == "simulate")
+    fleet.add_argument("--simulate", dest="simulate", nargs="?", const="tour", default=argparse.SUPPRESS,
+                       metavar="SCENARIO", help=fleet_simulate.help_text)
+    fleet.add_argument("--list", action="store_true", help="list the built-in fleet scenarios of --simulate and exit")
 
     sim = commands.add_parser("simulate", help="the IMDS simulator alone, as an HTTP server",
                               description="Serve a simulated IMDS (Scheduled Events and instance metadata).")
@@ -408,6 +412,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from forewarn.fleet.service import run_fleet
 
+    if args.list:
+        from forewarn.simulator.fleet import FLEET_SCENARIOS
+
+        for name, scenario in FLEET_SCENARIOS.items():
+            print(f"{name:24} {scenario.summary}")
+        return 0
     settings = resolve_fleet(args)
     setup_logging(settings.log_format, settings.log_level)
     return run_fleet(settings)

@@ -444,11 +444,12 @@ class Settings:
 
 
 #: `run`'s options that `forewarn fleet` takes as they are: the web server, the state dir and outbox, every
-#: sink, logging. The IMDS, VM, approval and simulator options are the per-VM agent's.
+#: sink, logging, --speed of a simulation. The IMDS, VM, approval and IMDS simulator options are the per-VM
+#: agent's (fleet mode has its own --simulate, in FLEET_ONLY).
 FLEET_SHARED = tuple(option for option in RUN_OPTIONS if option.name not in (
     "imds-endpoint", "api-version", "poll-interval", "imds-timeout", "imds-max-backoff", "imds-max-reply-bytes",
     "vm-name", "policy", "dry-run", "node-name", "kubeconfig", "probe.lb-lead-time", "probe.lb-freeze-threshold",
-    "compute-refresh", "simulate", "speed", "fault"))
+    "compute-refresh", "simulate", "fault"))
 _GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _MANAGEMENT_GROUP = re.compile(r"[A-Za-z0-9_.()-]{1,90}")
 #: ARM's rule for resource group names (Microsoft.Resources naming rules): 1 to 90 letters (Unicode ones
@@ -550,6 +551,9 @@ FLEET_ONLY: tuple[Option, ...] = (
     Option("acknowledge-api-version", "api-version of the Maintenance RP's acknowledge call (a preview; "
            "2025-10-01-preview and later have the list form, which approves a scale set's events in one call)",
            "2025-10-01-preview", metavar="V"),
+    Option("simulate", "run against a built-in simulated fleet, with this scenario (default: tour; --list shows "
+           "them): Resource Graph and ARM stand-ins on loopback, Event Grid pushes to --eventgrid-path", None,
+           metavar="SCENARIO"),
 )
 FLEET_OPTIONS = FLEET_SHARED + FLEET_ONLY
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlencode
 
 from forewarn.deadline import Deadline, Stopped
-from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, default_tls_context
+from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, tls_context
 from forewarn.fleet.armid import COMPUTE_NAMESPACE, ArmIdError, parse_arm_id
 from forewarn.retry import Backoff, parse_retry_after
 
@@ -75,12 +75,14 @@ class Acknowledger:
     - `timeout`: seconds each request may take in all; `attempts`: tries per request on 429 and 5xx, each
       after the reply's Retry-After (or a backoff), at most `max_wait` seconds (a call may ask for fewer).
     - `stop`: ends any wait (a reply, a token, a Retry-After) with `Stopped`.
+    - `loopback_http`: allow a plain `http://` loopback IP base (the simulated fleet only; `arm_base`).
     """
 
     def __init__(self, arm_endpoint: str, credential: TokenCredential, *, api_version: str = DEFAULT_API_VERSION,
                  timeout: float = 30.0, token_timeout: float = 60.0, attempts: int = 5, max_wait: float = 60.0,
-                 stop: threading.Event | None = None, context: ssl.SSLContext | None = None) -> None:
-        self.endpoint, host, port = arm_base(arm_endpoint)
+                 stop: threading.Event | None = None, context: ssl.SSLContext | None = None,
+                 loopback_http: bool = False) -> None:
+        self.endpoint, host, port = arm_base(arm_endpoint, loopback_http)
         if not api_version or not all(c.isalnum() or c == "-" for c in api_version):
             raise ValueError(f"api_version {api_version!r} is not an api-version such as {DEFAULT_API_VERSION}")
         if attempts < 1 or timeout <= 0 or token_timeout <= 0 or max_wait < 0:
@@ -92,7 +94,7 @@ class Acknowledger:
         self.stop = stop
         self.list_form = api_version in LIST_FORM_VERSIONS
         self._tokens = Tokens(credential, f"{self.endpoint}/.default", token_timeout, AcknowledgeError)
-        self._host, self._port, self._context = host, port, context or default_tls_context()
+        self._host, self._port, self._context = host, port, tls_context(self.endpoint, context)
         self._backoff = Backoff(base=1.0, cap=max(max_wait, 0.001))
         self._lock = threading.Lock()          # the idle connections
         self._idle: list[ArmConnection] = []

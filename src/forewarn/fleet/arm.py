@@ -14,6 +14,7 @@ terms.
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import os
 import ssl
 import threading
@@ -59,14 +60,31 @@ class TokenCredential(Protocol):
     def get_token(self, *scopes: str, **kwargs: Any) -> AccessTokenLike: ...
 
 
-def arm_base(arm_endpoint: str) -> tuple[str, str, int]:
+def arm_base(arm_endpoint: str, loopback_http: bool = False) -> tuple[str, str, int]:
     """(base URL, host, port) of ARM's base URL; ValueError unless it is https with no path or query (every
-    request carries a bearer token)."""
+    request carries a bearer token). `loopback_http` also lets `http://` through for a loopback IP address
+    and nothing else: the simulated fleet's stand-in (forewarn.simulator.fleet), whose token is worthless
+    anywhere else; --arm-endpoint never sets it."""
     parts = urlsplit(arm_endpoint)
-    if parts.scheme != "https" or not parts.hostname or parts.path.strip("/") or parts.query:
+    plain = loopback_http and parts.scheme == "http" and is_loopback(parts.hostname)
+    if (parts.scheme != "https" and not plain) or not parts.hostname or parts.path.strip("/") or parts.query:
         raise ValueError(f"arm_endpoint must be an https base URL such as https://management.azure.com; "
                          f"got {arm_endpoint!r}")
-    return f"https://{parts.netloc}", parts.hostname, parts.port or 443
+    return f"{parts.scheme}://{parts.netloc}", parts.hostname, parts.port or (80 if plain else 443)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` is a loopback IP address (a name is not: it could resolve anywhere)."""
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(arm_endpoint: str, context: ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """The TLS trust for requests to `arm_endpoint` (a base from `arm_base`): `context`, else the default;
+    None (plain HTTP) for the loopback http base only `arm_base(..., loopback_http=True)` lets through."""
+    return None if arm_endpoint.startswith("http://") else context or default_tls_context()
 
 
 def default_tls_context() -> ssl.SSLContext:
@@ -140,9 +158,10 @@ class Tokens:
 
 class ArmConnection:
     """One kept-alive HTTPS connection to `host:port`, used by one caller at a time (its lock is the
-    caller's). `too_large()` makes the error raised for a reply over `max_reply_bytes`."""
+    caller's). `too_large()` makes the error raised for a reply over `max_reply_bytes`. A `context` of None
+    speaks plain HTTP: only to the simulated fleet on loopback (`tls_context`)."""
 
-    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float, max_reply_bytes: int,
+    def __init__(self, host: str, port: int, context: ssl.SSLContext | None, timeout: float, max_reply_bytes: int,
                  too_large: Callable[[], ArmError]) -> None:
         self.host = host
         self.port = port

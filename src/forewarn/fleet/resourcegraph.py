@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from forewarn.deadline import Deadline, Stopped
-from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, default_tls_context
+from forewarn.fleet.arm import ArmConnection, ArmError, TokenCredential, Tokens, arm_base, tls_context
 from forewarn.imds.reply import ReplyError, capped, decode_reply
 from forewarn.retry import Backoff, parse_retry_after
 
@@ -197,6 +197,7 @@ class ResourceGraphClient:
       backoff), at most `max_wait`, which also bounds a wait for a spent quota.
     - `stop`: once set, any wait (a reply, a token, a Retry-After) ends within 0.25 s with `Stopped`.
     - `context`: TLS trust (default: `default_tls_context()`).
+    - `loopback_http`: allow a plain `http://` loopback IP base (the simulated fleet only; `arm_base`).
     Transport failures and deadlines are not retried within a snapshot: the caller's next one is the retry.
     """
 
@@ -205,8 +206,8 @@ class ResourceGraphClient:
                  max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES, batch_size: int = DEFAULT_BATCH_SIZE,
                  page_size: int = MAX_PAGE_SIZE, attempts: int = 4, max_wait: float = 60.0,
                  max_rows: int = DEFAULT_MAX_ROWS, stop: threading.Event | None = None,
-                 context: ssl.SSLContext | None = None) -> None:
-        self.endpoint, self.host, self.port = arm_base(arm_endpoint)
+                 context: ssl.SSLContext | None = None, loopback_http: bool = False) -> None:
+        self.endpoint, self.host, self.port = arm_base(arm_endpoint, loopback_http)
         if not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page_size must be 1 to {MAX_PAGE_SIZE}; got {page_size}")
         if not 1 <= batch_size <= 1000:
@@ -224,7 +225,7 @@ class ResourceGraphClient:
         self.max_wait = max_wait
         self.max_rows = max_rows
         self.stop = stop
-        self.context = context or default_tls_context()
+        self.context = tls_context(self.endpoint, context)
         self._target = f"{RESOURCES_PATH}?{urlencode({'api-version': api_version})}"
         self._what = f"Resource Graph {self.endpoint}{RESOURCES_PATH}"
         self._tokens = Tokens(credential, self.scope, token_timeout, ResourceGraphError)

@@ -56,6 +56,7 @@ from forewarn.web.setup import web_gate, web_server
 if TYPE_CHECKING:
     from forewarn.approval.policy import Policy
     from forewarn.fleet.approval import FleetApprover
+    from forewarn.simulator.fleet import FleetSimulation
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,20 @@ class QueueReader:
 
 
 def run_fleet(settings: FleetSettings) -> int:
-    """`forewarn fleet`: build everything, run the sources until SIGTERM/SIGINT, return the exit code."""
+    """`forewarn fleet`: build everything, run the sources until SIGTERM/SIGINT, return the exit code. With
+    --simulate, against the simulated fleet (forewarn.simulator.fleet) over the same clients and routes."""
+    if not settings.simulate:
+        return _run_fleet(settings, None)
+    from forewarn.simulator.fleet import start_fleet_simulation
+
+    settings, simulation = start_fleet_simulation(settings)
+    try:
+        return _run_fleet(settings, simulation)
+    finally:
+        simulation.stop()
+
+
+def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> int:
     if not (settings.subscription or settings.management_group or settings.queue_url or settings.eventgrid_path):
         raise ConfigError("forewarn fleet needs a source: --subscription or --management-group (Resource "
                           "Graph), and/or --queue-url (Event Grid through a Storage queue), and/or "
@@ -394,7 +408,7 @@ def run_fleet(settings: FleetSettings) -> int:
     runners: list[Source] = []
     closers: list[Callable[[], None]] = []
     if "resourcegraph" in sources:
-        client = build_resource_graph(settings, stop)
+        client = build_resource_graph(settings, stop, simulation)
         closers.append(client.close)
         runners.append(ResourceGraphSource(client, settings.subscription, settings.management_group,
                                            settings.reconcile_interval, committer, metrics, scope.resource_groups))
@@ -403,12 +417,12 @@ def run_fleet(settings: FleetSettings) -> int:
         closers.append(queue.close)
         runners.append(QueueReader(queue, committer, metrics, gate))
     if "eventgrid" in sources:
-        add_push(settings, server, committer, metrics, gate)
+        add_push(settings, server, committer, metrics, gate, plain_ok=simulation is not None)
     approver: FleetApprover | None = None
     if policy is not None:
         from forewarn.fleet.approval import FleetApprover
 
-        acknowledger = build_acknowledger(settings, stop)
+        acknowledger = build_acknowledger(settings, stop, simulation)
         closers.append(acknowledger.close)
         record = committer.outbox.append
         owner = fleet_owner(settings, elector)
@@ -421,6 +435,9 @@ def run_fleet(settings: FleetSettings) -> int:
         runners.append(approver)
 
     server.start()
+    if simulation is not None:   # Event Grid's deliveries, once the route listens
+        assert settings.eventgrid_path is not None and settings.eventgrid_secret is not None
+        simulation.push_to(server.url + settings.eventgrid_path, settings.eventgrid_secret)
     for worker in workers:
         worker.start()
     term = Term(runners)
@@ -491,6 +508,11 @@ def load_fleet_policy(settings: FleetSettings) -> Policy | None:
     return policy
 
 
+def arm_credential(settings: FleetSettings, simulation: FleetSimulation | None) -> Any:
+    """The credential for ARM: the simulated fleet's own (no azure-identity needed), else build_credential's."""
+    return simulation.credential if simulation is not None else build_credential(settings)
+
+
 def build_credential(settings: FleetSettings) -> Any:
     """azure-identity's credential for ARM: the user-assigned managed identity --arm-client-id names, else
     DefaultAzureCredential (workload identity, managed identity, ...)."""
@@ -531,12 +553,14 @@ def build_fleet_nodes(settings: FleetSettings, record: Callable[[Sequence[Any]],
     return FleetNodes(lambda stop: make_client(settings.kubeconfig, stop=stop), record, metrics, owner=owner)
 
 
-def build_acknowledger(settings: FleetSettings, stop: threading.Event) -> Any:
+def build_acknowledger(settings: FleetSettings, stop: threading.Event,
+                       simulation: FleetSimulation | None = None) -> Any:
     from forewarn.fleet.acknowledge import Acknowledger
 
     try:
-        return Acknowledger(settings.arm_endpoint, build_credential(settings),
-                            api_version=settings.acknowledge_api_version, timeout=settings.arm_timeout, stop=stop)
+        return Acknowledger(settings.arm_endpoint, arm_credential(settings, simulation),
+                            api_version=settings.acknowledge_api_version, timeout=settings.arm_timeout, stop=stop,
+                            loopback_http=simulation is not None)
     except ValueError as exc:
         raise ConfigError(f"--arm-endpoint / --acknowledge-api-version: {exc}") from None
 
@@ -565,9 +589,10 @@ def build_elector(settings: FleetSettings) -> Any:
 
 
 def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommitter, metrics: FleetMetrics,
-             gate: ScopeGate) -> None:
+             gate: ScopeGate, plain_ok: bool = False) -> None:
     """The Event Grid push route on the web server: 200 only once the events are committed. Events outside
-    the scope are left out and answered 200 as well: any other answer, Event Grid would retry for a day."""
+    the scope are left out and answered 200 as well: any other answer, Event Grid would retry for a day.
+    `plain_ok`: no warning about plain HTTP (the simulated fleet pushes over loopback)."""
     from forewarn.fleet.push import add_eventgrid_route
 
     assert settings.eventgrid_path is not None and settings.eventgrid_secret is not None
@@ -584,20 +609,21 @@ def add_push(settings: FleetSettings, server: HttpServer, committer: FleetCommit
                             accept=lambda events: committer.news(gate.keep(events, "eventgrid")), on_result=pushed)
     except ValueError as exc:
         raise ConfigError(f"FOREWARN_EVENTGRID_SECRET / --eventgrid-secret-file: {exc}") from None
-    if not settings.web_config_file:
+    if not settings.web_config_file and not plain_ok:
         log.warning("Event Grid push on %s without --web.config.file: plain HTTP, so the shared secret crosses "
                     "the network in clear; Event Grid itself delivers only to https://", settings.eventgrid_path)
 
 
-def build_resource_graph(settings: FleetSettings, stop: threading.Event) -> Any:
+def build_resource_graph(settings: FleetSettings, stop: threading.Event,
+                         simulation: FleetSimulation | None = None) -> Any:
     """The Resource Graph client, with azure-identity's credential (imported only when configured)."""
-    credential = build_credential(settings)
+    credential = arm_credential(settings, simulation)
     from forewarn.fleet.resourcegraph import ResourceGraphClient
 
     try:
         return ResourceGraphClient(settings.arm_endpoint, credential, api_version=settings.resource_graph_api_version,
                                    timeout=settings.arm_timeout, max_reply_bytes=settings.arm_max_reply_bytes,
-                                   stop=stop)
+                                   stop=stop, loopback_http=simulation is not None)
     except ValueError as exc:
         raise ConfigError(f"--arm-endpoint {redact_url(settings.arm_endpoint)}: {exc}") from None
 
