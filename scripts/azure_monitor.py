@@ -41,6 +41,9 @@ LOG_ALERTS_API_VERSION = "2026-03-01"
 SEVERITIES: dict[str, int] = {"critical": 0, "error": 1, "warning": 2, "info": 3, "verbose": 4}
 
 RULE_KEYS = {"alert", "record", "expr", "for", "labels", "annotations"}
+#: Microsoft's page on rule groups (learn.microsoft.com, azure-monitor/metrics/prometheus-rule-groups) limits a
+#: group to 20 rules.
+MAX_RULES = 20
 GROUP_KEYS = {"name", "rules", "interval"}
 
 #: Prometheus duration units (https://prometheus.io/docs/prometheus/latest/configuration/configuration/#duration)
@@ -125,6 +128,9 @@ def rule_groups_template(rules_yaml: str, source: str = "deploy/prometheus/forew
                               "(none of : @ / # { } % & + * < > ?)")
         rules = [_rule(rule, f"{source}: group {name}, rule {rule.get('alert') or rule.get('record')}")
                  for rule in group.get("rules") or []]
+        if not rules or len(rules) > MAX_RULES:
+            raise SourceError(f"{source}: group {name} has {len(rules)} rules; an Azure rule group holds 1 to "
+                              f"{MAX_RULES} (split the group)")
         interval = (iso8601_duration(str(group["interval"]), f"{source}: group {name}: interval")
                     if "interval" in group else "[parameters('interval')]")
         resources.append({
@@ -154,7 +160,9 @@ def rule_groups_template(rules_yaml: str, source: str = "deploy/prometheus/forew
             "azureMonitorWorkspaceId": {"type": "string", "metadata": {
                 "description": "resource id of the Azure Monitor workspace the cluster's metrics go to"}},
             "clusterName": {"type": "string", "metadata": {
-                "description": "the AKS cluster whose metrics the rules read (also part of each group's name)"}},
+                "description": "the `cluster` label managed Prometheus gives the cluster's metrics (by default the AKS "
+                               "cluster's resource name); the rules read only that cluster's series, and each "
+                               "group's name ends with it"}},
             "actionGroupIds": {"type": "array", "defaultValue": [], "metadata": {
                 "description": "resource ids of the action groups every alert notifies (none: alerts only show in "
                                "Azure Monitor)"}},

@@ -351,6 +351,8 @@ def test_durations_convert_both_ways(prometheus: str, iso: str) -> None:
     ("groups: [{name: g, rules: [{alert: A, expr: up, keep_firing_for: 5m, labels: {severity: info}}]}]",
      "keep_firing_for has no counterpart"),
     ("groups: [{name: 'a/b', rules: []}]", "group name 'a/b' is not a valid rule group name"),
+    ("groups: [{name: g, rules: [" + ", ".join(f"{{record: r{n}, expr: up}}" for n in range(21)) + "]}]",
+     "group g has 21 rules; an Azure rule group holds 1 to 20 (split the group)"),
 ])
 def test_rules_azure_cannot_carry_are_refused_by_name(rules: str, message: str) -> None:
     with pytest.raises(gen.SourceError, match=re.escape(message)):
