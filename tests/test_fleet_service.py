@@ -178,6 +178,7 @@ def test_queue_push_and_snapshot_news_out_of_order_and_repeated_give_one_record_
     # vm-1 starts either as the snapshot's Scheduled (then the queue's Started updates it) or as the queue's
     # Started (then the snapshot's Scheduled is late news): whichever came first
     assert changes(records) in (expected, {**expected, ("vm-1", eid(1), "updated"): 1}), changes(records)
+    assert f"records left in the outbox at stop: file:{fleet.records_file} 0\n" in fleet.log.read_text()
     feeds = {(r["data"]["vm"]["name"], r["data"]["change"]): r["data"]["feed"] for r in records}
     assert feeds[("vm-0", "updated")] == feeds[("vm-2", "removed")] == "eventgrid"  # the push's news
     removed = next(r for r in records if r["data"]["change"] == "removed")

@@ -6,6 +6,7 @@ that take their time (a sink is the extension point, so a test sink is one more 
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import threading
@@ -158,6 +159,8 @@ def test_stop_with_a_hung_sink_ends_within_the_drain_timeout_and_keeps_the_outbo
     log = proc.log()
     assert f"received {signal.Signals(signum).name}, stopping" in log and log.rstrip().endswith("stopped"), log
     assert "still delivering to otlp" in log
+    assert re.search(r"records left in the outbox at stop: .*\botlp [1-9].*; delivered after the next start", log)
+    assert f"{file_sink} 0" in log
     outbox = Outbox(proc.state_dir, ["otlp", file_sink])
     try:
         assert outbox.backlog("otlp").records >= 1, "what the hung sink did not take stays in the outbox"
@@ -233,3 +236,73 @@ def test_hung_sinks_are_bounded_together_by_the_drain_timeout(tmp_path: Path) ->
         for sink in sinks:
             sink.release.set()
         outbox.close()
+
+
+# --- a sink that is down: the stop tries once, at once, and says what is left ------------------------------
+
+class DownSink:
+    """Refuses every batch at once, as a sink whose peer refuses connections does."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.attempts = 0
+
+    def send(self, records: Sequence[Record]) -> None:
+        self.attempts += 1
+        raise ConnectionError("connection refused")
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_stop_does_not_sleep_out_the_backoff_of_a_sink_that_is_down(tmp_path: Path) -> None:
+    from forewarn.retry import Backoff
+
+    sink = DownSink("down")
+    outbox = Outbox(tmp_path, [sink.name])
+    worker = DeliveryWorker(sink, outbox, backoff=Backoff(base=30, cap=30))
+    worker.start()
+    try:
+        outbox.append(one_record())
+        wait_until(lambda: sink.attempts == 1, message="the first, failed send")
+        started = time.monotonic()
+        late = stop_workers([worker], 5)
+        elapsed = time.monotonic() - started
+        assert elapsed < 1, f"the stop waited {elapsed:.2f} s: it slept out the worker's backoff"
+        assert late == [] and sink.attempts == 2, "the drain tries the sink once more, then gives up"
+        assert outbox.backlog(sink.name).records == 1
+    finally:
+        outbox.close()
+
+
+def test_the_stop_logs_what_each_sink_leaves_in_the_outbox(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from forewarn.outbox.delivery import finish_delivery
+
+    down, slow = DownSink("down"), SlowSink("file:/x.jsonl", 0)
+    outbox = Outbox(tmp_path, [down.name, slow.name])
+    workers = [DeliveryWorker(sink, outbox) for sink in (down, slow)]
+    for worker in workers:
+        worker.start()
+    try:
+        outbox.append(one_record() * 3)
+        wait_until(lambda: down.attempts >= 1 and len(slow.received) == 3, message="the first sends")
+        with caplog.at_level("INFO", logger="forewarn.outbox.delivery"):
+            finish_delivery(workers, [down, slow], 5)
+        lines = [r for r in caplog.records if r.getMessage().startswith("records left in the outbox at stop")]
+        assert [r.getMessage() for r in lines] == [
+            "records left in the outbox at stop: down 3, file:/x.jsonl 0; delivered after the next start"]
+        assert lines[0].levelname == "WARNING"
+    finally:
+        outbox.close()
+    memory = Outbox(None, [slow.name])
+    workers = [DeliveryWorker(SlowSink(slow.name, 0), memory)]
+    workers[0].start()
+    try:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="forewarn.outbox.delivery"):
+            finish_delivery(workers, [], 1)
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", "records left in the outbox at stop: file:/x.jsonl 0")]
+    finally:
+        memory.close()

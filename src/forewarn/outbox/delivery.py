@@ -58,7 +58,8 @@ class DeliveryWorker:
     records spooled just before SIGTERM still go out, and whatever cannot go out stays in the outbox.
 
     Batches are the sink's `batch_size` records (BATCH_SIZE for a sink without one) unless `batch_size`
-    is given: one read of the outbox, one send, one acknowledging transaction each."""
+    is given: one read of the outbox, one send, one acknowledging transaction each. Setting `stop` ends the
+    worker at its next look; `stop()` (and `stop_workers`) ends one waiting between attempts at once."""
 
     def __init__(self, sink: Sink, outbox: Outbox, observer: DeliveryObserver | None = None,
                  stop: threading.Event | None = None, backoff: Backoff | None = None, idle_refresh: float = 30.0,
@@ -72,6 +73,8 @@ class DeliveryWorker:
         self._observer = observer or DeliveryObserver()
         self._stop = stop or threading.Event()
         self._draining = threading.Event()
+        #: Ends a wait between attempts early: set by a stop, whose drain has no time for a backoff.
+        self._interrupt = threading.Event()
         self._backoff = backoff or Backoff(base=0.5, cap=30.0)
         self._idle_refresh = idle_refresh
         self._failures = StateLog(log, f"sink {sink.name}")
@@ -88,11 +91,21 @@ class DeliveryWorker:
     def _begin_drain(self) -> None:
         """Deliver what is waiting, then end (a failed send ends it at once: there is no time to retry)."""
         self._draining.set()
+        self._interrupt.set()
         self._outbox.wake(self.sink.name)
 
     def _halt(self) -> None:
         self._stop.set()
+        self._interrupt.set()
         self._outbox.wake(self.sink.name)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between attempts. A stop ends the wait at once: a worker that was backing off from a sink that is
+        down when the stop came used to sleep out its backoff (up to 30 s, cut by --drain-timeout) before the
+        one attempt the drain allows it, so a stop with an unreachable sink took seconds for nothing."""
+        if self._stop.is_set():
+            return
+        self._interrupt.wait(seconds)
 
     def _publish_backlog(self, now: bool = True) -> None:
         """Report what waits for the sink: at once, or (`now` False, between the batches of a drain) when
@@ -159,7 +172,9 @@ class DeliveryWorker:
             except StoreError as exc:
                 ahead = None
                 self._failures.failing("store", f"cannot read the outbox: {exc}")
-                self._stop.wait(self._backoff.delay(attempt))
+                if self._draining.is_set():
+                    return
+                self._pause(self._backoff.delay(attempt))
                 continue
             ahead = None
             batch = prepared.batch
@@ -186,7 +201,7 @@ class DeliveryWorker:
                 self._publish_backlog()
                 if self._draining.is_set():
                     return
-                self._stop.wait(retry_wait(exc, self._backoff.delay(attempt)))
+                self._pause(retry_wait(exc, self._backoff.delay(attempt)))
                 attempt += 1
                 continue
             attempt = 0
@@ -198,7 +213,7 @@ class DeliveryWorker:
                 # Delivered but not remembered: sent again after a restart (same record ids), unless a later
                 # batch's acknowledgement covers it first.
                 self._failures.failing("ack", f"cannot record delivery: {exc}")
-                self._stop.wait(0.5)
+                self._pause(0.5)
             self._publish_backlog(now=False)
 
 
@@ -245,6 +260,32 @@ def stop_workers(workers: Sequence[DeliveryWorker], drain_timeout: float) -> lis
     return [worker.sink.name for worker in workers if worker._thread.is_alive()]
 
 
+def log_left(workers: Sequence[DeliveryWorker]) -> None:
+    """One line at stop: the records each sink leaves in the outbox (a warning when any are left, saying whether
+    they survive the exit)."""
+    if not workers:
+        return
+    left: list[str] = []
+    waiting = False
+    for worker in workers:
+        try:
+            records = worker._outbox.backlog(worker.sink.name).records
+        except StoreError as exc:
+            left.append(f"{worker.sink.name} unknown ({exc})")
+            waiting = True
+            continue
+        left.append(f"{worker.sink.name} {records}")
+        waiting = waiting or records > 0
+    outbox = workers[0]._outbox
+    if not waiting:
+        log.info("records left in the outbox at stop: %s", ", ".join(left))
+    elif outbox.state_dir is not None and outbox.writable:
+        log.warning("records left in the outbox at stop: %s; delivered after the next start", ", ".join(left))
+    else:
+        log.warning("records left in the outbox at stop: %s; lost at exit: the outbox is in memory (no state dir, "
+                    "or one that could not be written)", ", ".join(left))
+
+
 def close_sinks(sinks: Sequence[Sink], timeout: float = 1.0) -> list[str]:
     """Close every sink at once, for `timeout` seconds in total (a client library may wait on a dead
     peer while closing); returns the sinks that had not finished."""
@@ -266,9 +307,10 @@ def close_sinks(sinks: Sequence[Sink], timeout: float = 1.0) -> list[str]:
 
 def finish_delivery(workers: Sequence[DeliveryWorker], sinks: Sequence[Sink], drain_timeout: float) -> None:
     """At stop: drain every sink at once within `drain_timeout` (so it bounds the whole stop, however many sinks
-    hang), then close them, saying which did not finish; what was not delivered stays in the outbox."""
+    hang), then close them, saying which did not finish and what each leaves in the outbox."""
     for name in stop_workers(workers, drain_timeout):
         log.warning("still delivering to %s after --drain-timeout %g s; its records stay in the outbox "
                     "and are delivered after the next start", name, drain_timeout)
+    log_left(workers)
     for name in close_sinks(sinks):
         log.warning("sink %s did not close within 1 s; leaving it", name)
