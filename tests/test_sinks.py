@@ -66,3 +66,34 @@ def test_build_sinks_names_the_option_and_refuses_a_sink_given_twice(tmp_path: P
         build_sinks(["stdout", "file:"])
     with pytest.raises(ConfigError, match="--sink: the same sink is given twice"):
         build_sinks([f"file:{target}", "stdout", f"file:{target}"])
+
+
+def test_the_file_sink_logs_the_directories_it_creates(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    from datetime import datetime, timezone
+
+    from forewarn.imds.document import parse_document
+    from forewarn.imds.instance import VmInfo
+    from forewarn.records import to_record
+    from forewarn.sinks.file import FileSink
+    from forewarn.tracker import diff_documents
+
+    document = parse_document({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "E1", "EventType": "Reboot", "Resources": ["vm-0"], "EventStatus": "Scheduled", "NotBefore": ""}]})
+    records = [to_record(change, VmInfo(name="vm-0"), datetime.now(timezone.utc))
+               for change in diff_documents(None, document)]
+    target = tmp_path / "a" / "b" / "records.jsonl"
+    sink = FileSink(str(target))
+    with caplog.at_level("INFO", logger="forewarn.sinks.file"):
+        sink.send(records)
+        sink.send(records)
+        FileSink(str(tmp_path / "records.jsonl")).send(records)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sink file:{target}: created the missing directory {tmp_path / 'a'} (down to {tmp_path / 'a' / 'b'})"]
+    assert [json.loads(line)["subject"] for line in target.read_text().splitlines()] == ["E1", "E1"]
+    caplog.clear()
+    (tmp_path / "one").mkdir()
+    with caplog.at_level("INFO", logger="forewarn.sinks.file"):
+        FileSink(str(tmp_path / "one" / "two" / "r.jsonl")).send(records)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sink file:{tmp_path / 'one' / 'two' / 'r.jsonl'}: created the missing directory {tmp_path / 'one' / 'two'}"]
