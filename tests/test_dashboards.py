@@ -34,7 +34,9 @@ def queries(board: dict[str, Any]) -> list[str]:
 
 
 def exported_names() -> set[str]:
-    text = Metrics().render()[0].decode()
+    metrics = Metrics()
+    metrics.policy_loaded(hooks=True, node_actions=True)  # every family, those of the features that may be off too
+    text = metrics.render()[0].decode()
     names = set(re.findall(r"^# TYPE (\S+) (\S+)", text, re.MULTILINE))
     out = set()
     for name, kind in names:

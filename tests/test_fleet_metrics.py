@@ -156,3 +156,17 @@ def test_the_compressed_families_follow_every_change_of_the_events() -> None:
 ])
 def test_accept_encoding_is_read_as_http_says(header: str, takes: bool) -> None:
     assert takes_gzip(header) is takes
+
+
+def test_approval_hook_and_node_families_are_absent_without_a_policy_and_appear_with_one() -> None:
+    from test_metrics import FEATURE_FAMILIES, family_names
+
+    node = [*FEATURE_FAMILIES["node_actions"], "azure_scheduled_events_fleet_vms_without_node_total",
+            "azure_scheduled_events_fleet_undo_held", "azure_scheduled_events_fleet_nodes_waiting_for_snapshot"]
+    every = {*FEATURE_FAMILIES["approvals"], *FEATURE_FAMILIES["hooks"], *node}
+    metrics = FleetMetrics(["resourcegraph"])
+    assert family_names(metrics.render()[0].decode()) & every == set()
+    metrics.policy_loaded(hooks=False, node_actions=False)
+    assert family_names(metrics.render()[0].decode()) & every == set(FEATURE_FAMILIES["approvals"])
+    metrics.policy_loaded(hooks=True, node_actions=True)
+    assert family_names(metrics.render()[0].decode()) & every == every

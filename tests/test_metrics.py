@@ -114,6 +114,8 @@ def test_aggregates_are_zero_filled_and_unknown_values_pass_through() -> None:
                   event_source="") == 1
     assert sample(samples, "azure_scheduled_events_observed_total", event_type="Preempt", event_source="User") == 0
     assert sample(samples, "azure_scheduled_events_ended_total", event_type="Freeze", outcome="cancelled") == 0
+    metrics.policy_loaded(hooks=True, node_actions=False)
+    samples = scrape(metrics)
     assert sample(samples, "azure_scheduled_events_approvals_total", event_type="Reboot", result="dry_run") == 0
     assert sample(samples, "azure_scheduled_events_hook_runs_total", hook="recover", result="timeout") == 0
 
@@ -302,3 +304,32 @@ def test_the_countdown_is_written_to_the_millisecond_ahead_behind_and_for_a_frac
             lines = {line.split('"', 2)[1]: line.rsplit(" ", 1)[1]
                      for line in metrics.render()[0].decode().splitlines() if line.startswith(name + "{")}
             assert lines == {"ahead": f"{ahead - clock:.3f}", "behind": f"{10 - clock:.3f}"}, clock
+
+
+FEATURE_FAMILIES = {
+    "approvals": ["azure_scheduled_events_approvals_total"],
+    "hooks": ["azure_scheduled_events_hook_runs_total"],
+    "node_actions": ["azure_scheduled_events_node_actions_total", "azure_scheduled_events_node_drains_in_progress",
+                     "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
+                     "azure_scheduled_events_node_drain_pods_total", "azure_scheduled_events_node_drain_reports_total"],
+}
+
+
+def family_names(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_families_of_features_that_are_off_are_absent_and_appear_with_the_feature() -> None:
+    metrics = Metrics()
+    every = {name for names in FEATURE_FAMILIES.values() for name in names}
+    assert family_names(metrics.render()[0].decode()) & every == set()
+    metrics.policy_loaded(hooks=False, node_actions=False)            # a policy without hooks or node actions
+    shown = family_names(metrics.render()[0].decode())
+    assert shown & every == set(FEATURE_FAMILIES["approvals"])
+    assert len(series(scrape(metrics), "azure_scheduled_events_approvals_total")) == len(EVENT_TYPES) * 3
+    metrics.policy_loaded(hooks=True, node_actions=True)              # a reload (SIGHUP) that adds both
+    assert family_names(metrics.render()[0].decode()) & every == every
+    metrics.policy_loaded(hooks=False, node_actions=False)            # turned on, they stay: counters never vanish
+    assert family_names(metrics.render()[0].decode()) & every == every
+    text = metrics.render(OPENMETRICS)[0].decode()   # OpenMetrics names a counter's family without _total
+    assert {name.removesuffix("_total") for name in every} <= family_names(text) and text.count("# EOF") == 1

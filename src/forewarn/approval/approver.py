@@ -164,6 +164,7 @@ class Approver:
         self._document_ids: frozenset[str] = frozenset()
         self._cap_logged = False
         self._incarnation = 0
+        metrics.policy_loaded(hooks=policy.uses_hooks, node_actions=actor is not None)
 
     def close(self) -> None:
         if self.actor is not None:
@@ -176,6 +177,7 @@ class Approver:
         with self._lock:
             self.policy = policy
             self.dry_run = dry_run or policy.dry_run
+        self.metrics.policy_loaded(hooks=policy.uses_hooks, node_actions=self.actor is not None)
 
     def stage(self, event_id: str) -> Stage | None:
         """How far the approval of `event_id` got (None: not in the last document seen)."""

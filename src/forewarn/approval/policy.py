@@ -360,6 +360,11 @@ class Policy:
         """Whether any rule acts on the Kubernetes node (only then is a Kubernetes client needed)."""
         return any(rule.node or rule.after_eviction for rule in self.rules)
 
+    @property
+    def uses_hooks(self) -> bool:
+        """Whether any hook may run: a rule's prepare hooks or the recover hooks."""
+        return bool(self.recover) or any(rule.prepare for rule in self.rules)
+
 
 @dataclass(frozen=True)
 class Decision:

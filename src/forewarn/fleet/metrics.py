@@ -32,7 +32,7 @@ from forewarn.fleet.records import fleet_vm
 from forewarn.fleet.tracker import event_key
 from forewarn.imds.document import EVENT_TYPES
 from forewarn.metrics.codecs import CODECS
-from forewarn.metrics.core import EOF, Counter, Family, Gauge, Registry, encode, negotiate
+from forewarn.metrics.core import EOF, Counter, Family, FeatureFamilies, Gauge, Registry, encode, negotiate
 from forewarn.metrics.events import PLACE_LABELS, OpenEvent, event_families
 from forewarn.metrics.exposition import NodeMetrics
 from forewarn.metrics.process import ProcessFamilies
@@ -125,19 +125,22 @@ class FleetMetrics:
                                       "(moved to the poison queue), unreadable.", ["result"], registry=r)
         self.duplicates = Counter("azure_scheduled_events_duplicates_total",
                                   "News dropped as a repeat: the same delivery, or nothing new.", registry=r)
+        # Families of features that may be off, in their place but shown only once turned on (`policy_loaded`).
+        self.approval_families = FeatureFamilies(r)
         self.approvals = Counter("azure_scheduled_events_approvals_total",
                                  "Approval decisions carried out through ARM's acknowledge call, by result.",
-                                 ["event_type", "result"], registry=r)
+                                 ["event_type", "result"], registry=self.approval_families)
+        self.hook_families = FeatureFamilies(r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
-                                 ["hook", "result"], registry=r)
+                                 ["hook", "result"], registry=self.hook_families)
         for hook in ("prepare", "recover"):
             for result in ("success", "failure", "timeout", "error"):
                 self.hook_runs.labels(hook, result)
         self.nodes = NodeMetrics(r)
         self.vms_without_node = Counter("azure_scheduled_events_fleet_vms_without_node_total",
                                         "VMs of events with node actions that are no node of this cluster (left "
-                                        "alone).", registry=r)
-        self.undo_held = UndoHeld(r)
+                                        "alone).", registry=self.nodes.families)
+        self.undo_held = UndoHeld(self.nodes.families)
         self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
                                    "Changes not announced because the previous active replica had announced them "
                                    "(the Lease's handover).", registry=r)
@@ -214,6 +217,15 @@ class FleetMetrics:
         self.records.labels(name)
         self.record_failures.labels(name)
         self.backlog(name, Backlog(records=0, oldest_created=None))
+
+    def policy_loaded(self, hooks: bool, node_actions: bool) -> None:
+        """A policy is in use: the approval (acknowledge) families show, and those of hooks and of node actions
+        when it has any. Without --policy none of them is in /metrics."""
+        self.approval_families.turn_on()
+        if hooks:
+            self.hook_families.turn_on()
+        if node_actions:
+            self.nodes.families.turn_on()
 
     def last_success(self) -> float | None:
         """The newest success of any source (readiness)."""

@@ -431,6 +431,7 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
                                  nodes=build_fleet_nodes(settings, record, metrics, owner) if policy.uses_node_actions
                                  else None, hook_runs=metrics.hook_runs, scope=scope,
                                  held=metrics.undo_held)
+        metrics.policy_loaded(hooks=policy.uses_hooks, node_actions=policy.uses_node_actions)
         committer.on_ended, committer.on_committed = approver.ended, approver.wake
         runners.append(approver)
 

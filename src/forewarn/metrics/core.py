@@ -11,6 +11,7 @@ values. The output is the same text prometheus-client writes (tests/test_metrics
     Counter, Gauge, Histogram    updated where things happen, registered with a Registry
     Family                       built by a collector at scrape time (a gauge or a counter)
     Registry.render(openmetrics) the whole exposition; negotiate(accept) picks the format
+    FeatureFamilies              a sub-registry shown only once its feature is turned on
 """
 
 from __future__ import annotations
@@ -461,3 +462,21 @@ class Registry:
             if line.startswith(prefix):
                 return float(line[len(prefix):].replace("+Inf", "inf").replace("-Inf", "-inf"))
         return None
+
+
+class FeatureFamilies(Registry):
+    """The families of a feature that may be off (approvals, hooks, node actions), registered in their place in
+    the exposition and shown only once the feature is turned on: a plain agent's /metrics carries no series of
+    what it does not do (issue #37). Turned on, they stay on (counters never vanish mid-run). The metrics exist
+    either way, so the code that counts holds them as it would any other."""
+
+    def __init__(self, registry: Registry) -> None:
+        super().__init__()
+        self.on = False
+        registry.register(self)
+
+    def turn_on(self) -> None:
+        self.on = True
+
+    def collect(self) -> Iterable[Exposable]:
+        return self.families() if self.on else ()

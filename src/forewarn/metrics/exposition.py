@@ -19,7 +19,19 @@ from forewarn import DEFAULT_API_VERSION, __version__
 from forewarn.backlog import Backlog
 from forewarn.imds.document import EVENT_SOURCES, EVENT_TYPES, Document
 from forewarn.metrics.codecs import CODECS
-from forewarn.metrics.core import EOF, Counter, Family, Gauge, Header, Histogram, LabelSet, Registry, negotiate, number
+from forewarn.metrics.core import (
+    EOF,
+    Counter,
+    Family,
+    FeatureFamilies,
+    Gauge,
+    Header,
+    Histogram,
+    LabelSet,
+    Registry,
+    negotiate,
+    number,
+)
 from forewarn.metrics.events import OpenEvent, event_families
 from forewarn.metrics.process import ProcessFamilies
 from forewarn.metrics.view import ViewHolder
@@ -49,9 +61,11 @@ class Metrics:
         self.ended = Counter(
             "azure_scheduled_events_ended_total", "Scheduled events that left the document, by outcome.",
             ["event_type", "outcome"], registry=r)
+        # Families of features that may be off, in their place but shown only once turned on (`policy_loaded`).
+        self.approval_families = FeatureFamilies(r)
         self.approvals = Counter(
             "azure_scheduled_events_approvals_total", "Approval decisions carried out.",
-            ["event_type", "result"], registry=r)
+            ["event_type", "result"], registry=self.approval_families)
         self.imds_requests = Counter(
             "azure_scheduled_events_imds_requests_total",
             "IMDS requests by method and HTTP status (code=error for transport failures).",
@@ -85,9 +99,10 @@ class Metrics:
         self.policy_reload_time = Gauge(
             "azure_scheduled_events_policy_last_reload_success_timestamp_seconds",
             "Unix time of the last successful load of --policy (0 without a policy).", registry=r)
+        self.hook_families = FeatureFamilies(r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
-                                 ["hook", "result"], registry=r)
-        nodes = NodeMetrics(r)
+                                 ["hook", "result"], registry=self.hook_families)
+        nodes = self.nodes = NodeMetrics(r)
         self.node_actions, self.node_drains = nodes.node_actions, nodes.node_drains
         self.node_drain_blocked_since, self.node_drain_pods = nodes.node_drain_blocked_since, nodes.node_drain_pods
         self.node_drain_records = nodes.node_drain_records
@@ -132,6 +147,15 @@ class Metrics:
         self.record_failures.labels(name)
         self.views.backlog(name, Backlog(records=0, oldest_created=None))
 
+    def policy_loaded(self, hooks: bool, node_actions: bool) -> None:
+        """A policy is in use (at start or after SIGHUP): the approval families show from now on, and those of
+        hooks and of node actions once a policy has any. Without --policy none of them is in /metrics."""
+        self.approval_families.turn_on()
+        if hooks:
+            self.hook_families.turn_on()
+        if node_actions:
+            self.nodes.families.turn_on()
+
 
 
 class NodeMetrics:
@@ -139,6 +163,8 @@ class NodeMetrics:
     fleet mode on the nodes of the VMs its events hit)."""
 
     def __init__(self, registry: Registry) -> None:
+        #: Shown once a policy with node actions is in use (`families.turn_on()`).
+        self.families = registry = FeatureFamilies(registry)
         self.node_actions = Counter(
             "azure_scheduled_events_node_actions_total",
             "Kubernetes node actions carried out, by action and result.", ["action", "result"], registry=registry)
