@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from test_kubernetes import K8S_VERSION, build, by_kind, validate_crds
+from test_kubernetes import K8S_VERSION, build, by_kind, validate_crds, with_operator
 
 from conftest import require_tool
 
@@ -186,8 +186,8 @@ def without_labels(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def test_the_other_objects_equal_the_kustomize_ones() -> None:
-    kustomized = build("base")
+def test_the_other_objects_equal_the_kustomize_ones(tmp_path: Path) -> None:
+    kustomized = build(with_operator(tmp_path, "base"))     # the chart's serviceMonitor and prometheusRule values
     rendered = render(OPERATOR)
     # The release namespace replaces the kustomize Namespace; the dashboards are the chart's own addition.
     assert sorted(d["kind"] for d in kustomized if d["kind"] != "Namespace") == sorted(
@@ -204,7 +204,7 @@ def test_the_other_objects_equal_the_kustomize_ones() -> None:
 COMPONENT = ROOT / "deploy" / "kubernetes" / "components" / "node-actions"
 
 
-def test_node_actions_objects_equal_the_kustomize_component() -> None:
+def test_node_actions_objects_equal_the_kustomize_component(tmp_path: Path) -> None:
     docs = render(AKS_VALUES)
     component = {d["kind"]: d for f in COMPONENT.glob("*.yaml") if f.name != "kustomization.yaml"
                  for d in yaml.safe_load_all(f.read_text())}
@@ -218,7 +218,7 @@ def test_node_actions_objects_equal_the_kustomize_component() -> None:
     assert without_labels(kube_api["spec"]) == without_labels(component["NetworkPolicy"]["spec"])
     assert kube_api["spec"]["podSelector"] == one(docs, "DaemonSet")["spec"]["selector"]
     # and against the whole overlay: the same kinds of objects (but the Namespace and the chart's dashboards)
-    kustomized = build("overlays/aks")
+    kustomized = build(with_operator(tmp_path, "overlays/aks"))
     everything = render({**AKS_VALUES, **OPERATOR})
     assert sorted(d["kind"] for d in kustomized if d["kind"] != "Namespace") == sorted(
         d["kind"] for d in everything if not d["metadata"]["name"].startswith(f"{RELEASE}-dashboard-"))

@@ -25,6 +25,10 @@ from forewarn.metrics.core import Family
 
 #: Longest label value kept; a longer one (a description, a source) is cut and ends with "...".
 MAX_LABEL_CHARS = 512
+#: ... and at most this many bytes in UTF-8, the unit of a scrape's label value length limit: Azure Monitor
+#: managed Prometheus' templates set labelValueLengthLimit 1023 and a breach drops the whole scrape, which 512
+#: characters of free text in a non-Latin script (3 bytes each) would cause.
+MAX_LABEL_BYTES = 1023
 #: The labels fleet mode adds to every per-event series: where the VM is.
 PLACE_LABELS = ("vm", "vm_scale_set", "resource_group", "subscription_id")
 
@@ -32,7 +36,16 @@ PLACE_LABELS = ("vm", "vm_scale_set", "resource_group", "subscription_id")
 def label(value: str | None) -> str:
     if value is None:
         return ""
-    return value if len(value) <= MAX_LABEL_CHARS else value[:MAX_LABEL_CHARS - 3] + "..."
+    if len(value) <= MAX_LABEL_CHARS and (value.isascii() or _utf8_bytes(value) <= MAX_LABEL_BYTES):
+        return value
+    cut = value[:MAX_LABEL_CHARS - 3]
+    if not cut.isascii():       # cut on a character boundary within the byte budget
+        cut = cut.encode("utf-8", "surrogatepass")[:MAX_LABEL_BYTES - 3].decode("utf-8", "ignore")
+    return cut + "..."
+
+
+def _utf8_bytes(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)
