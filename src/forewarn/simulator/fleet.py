@@ -5,11 +5,12 @@ and it approves through the Maintenance resource provider's acknowledge call. Th
 for a built-in scenario, so that every part of fleet mode runs as it does against Azure:
 
 - **Resource Graph and ARM** (`FleetStandIn`): `POST /providers/Microsoft.ResourceGraph/resources` answers
-  the rows of the scenario's events in the subscriptions asked for, paged as Resource Graph pages
-  (`$top`, `$skipToken`), and `POST {target}/providers/Microsoft.Maintenance/scheduledevents[/{id}/acknowledge]`
-  approves an event, which then starts START_DELAY scenario seconds later, as Azure starts an approved event
-  early. Both check the bearer token, the api-version and the body, and refuse what ARM would refuse. The
-  client is fleet mode's own (forewarn.fleet.resourcegraph, forewarn.fleet.acknowledge) with its token cache.
+  the rows of the scenario's events in the subscriptions asked for, a minute behind (RESOURCE_GRAPH_LAG),
+  paged as Resource Graph pages (`$top`, `$skipToken`), and
+  `POST {target}/providers/Microsoft.Maintenance/scheduledevents[/{id}/acknowledge]` approves an event, which
+  then starts START_DELAY scenario seconds later, as Azure starts an approved event early. Both check the
+  bearer token, the api-version and the body, and refuse what ARM would refuse. The clients are fleet mode's
+  own (forewarn.fleet.resourcegraph, forewarn.fleet.acknowledge), with their token cache.
 - **Event Grid** (`EventGridPusher`): every status an event goes through (Scheduled, Started, Completed,
   Canceled) is delivered in the Event Grid schema to forewarn's own push route (`--eventgrid-path`, with its
   shared secret in the URL as a real subscription carries it), after the subscription validation handshake
@@ -69,6 +70,10 @@ EVENT_GRID_API_VERSION = "2024-07-01"
 TENANT = "72f988bf-0000-4000-8000-00000000f1ee"
 #: Scenario seconds between an acknowledgement and the event starting (the per-VM simulator's START_DELAY).
 START_DELAY = 2.0
+#: Scenario seconds Resource Graph lists a change after it happened. Nothing documents its delay (the anecdotes
+#: run from a minute to hours, shared FLEET-FACTS.md section 1): a minute here, so Event Grid's push brings
+#: each change first and the snapshots confirm it, as fleet mode expects of the two feeds.
+RESOURCE_GRAPH_LAG = 60.0
 #: How often (wall seconds) the pusher looks for news, and its longest wait between retries of a delivery.
 PUSH_TICK = 0.05
 PUSH_MAX_BACKOFF = 5.0
@@ -259,9 +264,15 @@ class FleetTimeline:
                 "resourceGroup": spec.target.resource_group.lower(), "location": spec.target.location,
                 "properties": self.properties(spec, status)}
 
+    def begin(self) -> None:
+        """Scenario time 0 is now: fleet mode listens (the pushes would otherwise start before its route)."""
+        with self._lock:
+            self.started_wall = self.clock()
+
     def rows(self, subscriptions: Sequence[str], statuses: Sequence[str] | None) -> list[dict[str, Any]]:
-        """The rows Resource Graph lists now in `subscriptions`, with one of `statuses` (None: any), by id."""
-        now = self.now()
+        """The rows Resource Graph lists now in `subscriptions`, with one of `statuses` (None: any), by id:
+        each event as it was RESOURCE_GRAPH_LAG scenario seconds ago."""
+        now = self.now() - RESOURCE_GRAPH_LAG
         wanted = {sub.lower() for sub in subscriptions}
         allowed = None if statuses is None else {status.lower() for status in statuses}
         rows = []
@@ -591,6 +602,8 @@ class FleetSimulation:
         return self.stand_in.url
 
     def push_to(self, url: str, secret: str) -> None:
+        """Begin the scenario, with Event Grid's deliveries to `url` (fleet mode's push route, listening)."""
+        self.timeline.begin()
         self.pusher = EventGridPusher(self.timeline, url, secret).start()
 
     def stop(self) -> None:
