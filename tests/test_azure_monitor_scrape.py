@@ -186,7 +186,7 @@ def rendered(values: dict[str, Any], release: str = RELEASE, namespace: str = NA
     for doc in docs:
         if doc in azure_objects(docs):
             assert crd_errors(doc) == [], doc["kind"]
-        else:
+        elif not doc["apiVersion"].startswith("monitoring.coreos.com/"):      # those: tests/test_helm.py
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     return docs
 
@@ -217,14 +217,24 @@ def test_the_chart_renders_the_components_objects_in_each_mode() -> None:
     (endpoint,) = azure_objects(timed)[0]["spec"]["podMetricsEndpoints"]
     assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("1m", "20s")
 
+    # basic auth from a Secret in the object's namespace, as the Prometheus Operator's ServiceMonitor has it
+    basic = {"enabled": True, "configSecret": {"name": "forewarn-web-config", "key": "web.yml"},
+             "scrapeSecretName": "forewarn-scrape"}
+    both = rendered({"azureMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True},
+                     "web": {"basicAuth": basic}})
+    (endpoint,) = azure_objects(both)[0]["spec"]["podMetricsEndpoints"]
+    assert endpoint["basicAuth"] == one(both, "ServiceMonitor")["spec"]["endpoints"][0]["basicAuth"] == {
+        "username": {"name": "forewarn-scrape", "key": "username"},
+        "password": {"name": "forewarn-scrape", "key": "password"}}
+
 
 def test_the_chart_renders_none_by_default_and_refuses_what_the_add_on_could_not_scrape() -> None:
     assert not azure_objects(render()) and not azure_objects(render({"serviceMonitor": {"enabled": True}}))
     tls = {"enabled": True, "secretName": "forewarn-web-tls"}
     result = helm("template", RELEASE, str(CHART), values={"azureMonitor": {"enabled": True}, "web": {"tls": tls}})
     assert result.returncode == 1
-    assert "azureMonitor.enabled scrapes over plain HTTP; with web.tls.enabled or web.basicAuth.enabled" in \
-        result.stderr
+    assert "azureMonitor.enabled scrapes over plain HTTP: the add-on reads TLS certificates only from the " \
+        "Secret kube-system/ama-metrics-mtls-secret" in result.stderr
     typo = helm("template", RELEASE, str(CHART), values={"azureMonitor": {"enabled": True, "labelLimit": 100}})
     assert typo.returncode == 1 and "additional properties 'labelLimit' not allowed" in typo.stderr
 
