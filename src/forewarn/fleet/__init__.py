@@ -4,6 +4,9 @@
   push, Event Grid or CloudEvents schema) into `FleetEvent`; ARM resource IDs.
 - `tracker.py`, `records.py`, `state.py`: the functional core: one state per event moving forward only, its
   changes as the per-VM agent's records, the tracker saved in the outbox's transaction.
-- `resourcegraph.py`, `queue.py`, `push.py`: the transports, each bounded in size and time.
-- `lease.py`, `metrics.py`, `service.py`: one active replica, the metrics, the service that wires them.
+- `resourcegraph.py`, `queue.py`, `push.py`, `arm.py`: the transports, each bounded in size and time.
+- `lease.py`, `handover.py`, `scope.py`, `metrics.py`, `service.py`: one active replica and what it hands its
+  successor, what this instance answers for, the metrics, the service that wires them.
+- `approval.py`, `acks.py`, `acknowledge.py`, `nodeactions.py`, `nodes.py`, `gone.py`: acting from one place:
+  the policy's decisions, acknowledgements through ARM, node actions on the VMs' AKS nodes.
 """
