@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
+import fleet_samples
+from forewarn.fleet.feed import FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics, takes_gzip
 from forewarn.imds.document import Document
 from forewarn.imds.instance import VmInfo
@@ -170,3 +174,91 @@ def test_approval_hook_and_node_families_are_absent_without_a_policy_and_appear_
     assert family_names(metrics.render()[0].decode()) & every == set(FEATURE_FAMILIES["approvals"])
     metrics.policy_loaded(hooks=True, node_actions=True)
     assert family_names(metrics.render()[0].decode()) & every == every
+
+
+# --- per-VM series bounded by --metrics-max-vms; aggregates over every VM -------------------------------------
+
+def scale_set_event(n: int, vms: int, status: str = "Scheduled", not_before: str | None = None,
+                    group: str = "rg-a") -> FleetEvent:
+    props = fleet_samples.properties(event_id=f"E-{n}", status=status, resources=[f"ss{n}_{k}" for k in range(vms)],
+                                     not_before=not_before, DurationInSeconds=9)
+    return parse_resource_graph_row(fleet_samples.resource_graph_row(
+        props, fleet_samples.target_id("vmss", f"ss{n}", rg=group)))
+
+
+def per_vm(text: bytes) -> dict[str, set[str]]:
+    """Each per-VM family's series, by event id."""
+    found: dict[str, set[str]] = {}
+    for (name, labels) in parse_metrics(text.decode()):
+        if name.startswith("azure_scheduled_event_"):
+            found.setdefault(name, set()).add(dict(labels)["event_id"])
+    return found
+
+
+def totals(text: bytes) -> dict[str, float]:
+    """The sum of each aggregate family, and the left-out counts by unit."""
+    sums: dict[str, float] = {}
+    for (name, labels), value in parse_metrics(text.decode()).items():
+        if name == "azure_scheduled_events_per_vm_left_out":
+            sums[f"left_out_{dict(labels)['unit']}"] = value
+        elif name in ("azure_scheduled_events", "azure_scheduled_events_by_scope", "azure_scheduled_events_vms"):
+            sums[name] = sums.get(name, 0) + value
+    return sums
+
+
+LATE, EARLY = "Tue, 24 Nov 2026 14:00:00 GMT", "Tue, 24 Nov 2026 12:00:00 GMT"
+EARLIEST = "Tue, 24 Nov 2026 11:00:00 GMT"
+
+
+@pytest.mark.parametrize(("max_vms", "shown"), [(0, "ABCD"), (17, "ABCD"), (12, "ABD"), (11, "AD"), (2, "")])
+def test_per_vm_series_stop_at_the_limit_in_the_order_an_operator_acts_and_the_aggregates_count_every_vm(
+        max_vms: int, shown: str) -> None:
+    # A has Started (first whatever its NotBefore); then the earliest NotBefore: D, B, C. Whole events only.
+    events = {"A": scale_set_event(1, 3, "Started"), "B": scale_set_event(2, 5, not_before=EARLY),
+              "C": scale_set_event(3, 5, not_before=LATE), "D": scale_set_event(4, 4, not_before=EARLIEST,
+                                                                                 group="rg-b")}
+    metrics = FleetMetrics(["resourcegraph"], max_vms=max_vms)
+    metrics.events_now(list(events.values()))
+    text = metrics.render()[0]
+    ids = {events[key].event_id for key in shown}
+    vms = sum(len(events[key].vms.names) for key in shown)
+    series = per_vm(text)
+    assert series.get("azure_scheduled_event_info", set()) == ids and all(found <= ids for found in series.values())
+    assert len([1 for name, _ in parse_metrics(text.decode()) if name == "azure_scheduled_event_info"]) == vms
+    assert totals(text) == {"azure_scheduled_events": 4, "azure_scheduled_events_by_scope": 4,
+                            "azure_scheduled_events_vms": 17, "left_out_events": 4 - len(shown),
+                            "left_out_vms": 17 - vms}
+    places = {dict(labels)["vm_scale_set"]: value for (name, labels), value in parse_metrics(text.decode()).items()
+              if name == "azure_scheduled_events_vms"}
+    assert places == {"ss1": 3, "ss2": 5, "ss3": 5, "ss4": 4}
+
+
+def sample_lines(metrics: FleetMetrics) -> int:
+    return sum(1 for line in metrics.render()[0].decode().splitlines()
+               if line and not line.startswith(("#", "process_")))
+
+
+def series_costs() -> tuple[int, int]:
+    """(series per VM, aggregate series an event adds at most), measured: a fleet with no event, one Scheduled
+    event (NotBefore and DurationInSeconds set) on one VM, and one on five VMs, each in a scale set and scope of
+    its own."""
+    def count(*events: FleetEvent) -> int:
+        metrics = FleetMetrics(["resourcegraph"], max_vms=0)
+        metrics.events_now(list(events))
+        return sample_lines(metrics)
+
+    none = count()
+    one, five = count(scale_set_event(1, 1, not_before=EARLY)), count(scale_set_event(1, 5, not_before=EARLY))
+    per_vm_series = (five - one) // 4
+    assert per_vm_series * 4 == five - one
+    two = count(scale_set_event(1, 1, not_before=EARLY), scale_set_event(2, 1, not_before=EARLY, group="rg-b"))
+    assert two - one == one - none  # each event costs the same
+    return per_vm_series, one - none - per_vm_series
+
+
+def test_docs_give_the_measured_series_per_vm_and_per_event() -> None:
+    per_vm_series, per_event = series_costs()
+    docs = (Path(__file__).parent.parent / "docs/metrics.md").read_text()
+    stated = re.search(r"(\d+) series per VM it acts on,? plus (\d+) aggregate series", " ".join(docs.split()))
+    assert stated is not None, "docs/metrics.md states the series an open event costs"
+    assert (int(stated[1]), int(stated[2])) == (per_vm_series, per_event)

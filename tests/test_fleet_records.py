@@ -10,10 +10,14 @@ from pathlib import Path
 
 import jsonschema
 
-from forewarn.fleet.feed import FleetEvent
+import fleet_samples as samples
+from forewarn.fleet.armid import is_valid_name, parse_arm_id, vm_id
+from forewarn.fleet.feed import EventVms, FleetEvent, parse_event_grid, parse_resource_graph_row, vm_ids
 from forewarn.fleet.records import change_records
-from forewarn.fleet.tracker import FleetTracker
+from forewarn.fleet.tracker import FleetChange, FleetTracker
 from forewarn.imds.document import Event
+from forewarn.imds.instance import VmInfo
+from forewarn.records import TYPE_PREFIX, Record, event_data, record_id, record_source, rfc3339
 
 SCHEMA = json.loads((Path(__file__).parent.parent / "src/forewarn/schemas/record.schema.json").read_text())
 SUB = "11111111-2222-3333-4444-555555555555"
@@ -67,3 +71,69 @@ def test_removed_records_carry_the_outcome_the_previous_status_and_how_it_ended(
     (record,) = change_records(ended, AT)
     assert (record.data["outcome"], record.data["ended_by"]) == ("cancelled", "missing")
     assert record.id != removed.id
+
+
+# --- built from the event's kept parse, equal to a fresh parse per VM ------------------------------------------
+
+def freshly_parsed_records(change: FleetChange, at: datetime) -> list[Record]:
+    """The records as the per-VM agent's builders make them, every ARM ID parsed again for each VM: what
+    change_records gives from the parse the feed kept (FleetEvent.vms), field for field."""
+    fleet_event, event = change.event, change.event.event
+    target = parse_arm_id(fleet_event.resource_id)
+    if target.is_type("Microsoft.Compute", "virtualMachines"):
+        ids: tuple[str, ...] = (fleet_event.resource_id,)
+    else:
+        ids = tuple(vm_id(fleet_event.subscription_id, fleet_event.resource_group, name)
+                    for name in event.resources if is_valid_name(name))
+    records = []
+    for vm_resource_id in ids:
+        again = parse_arm_id(fleet_event.resource_id)
+        vm = VmInfo(name=parse_arm_id(vm_resource_id).name, resource_id=vm_resource_id,
+                    vm_scale_set=again.name if again.is_type("Microsoft.Compute", "virtualMachineScaleSets") else "",
+                    resource_group=fleet_event.resource_group, subscription_id=fleet_event.subscription_id,
+                    location=fleet_event.location or "")
+        data = event_data(str(change.kind), event, 0, vm)
+        data["affects_this_vm"] = True
+        data["feed"] = fleet_event.origin
+        if change.previous is not None:
+            data["previous_status"] = change.previous.status
+        if change.outcome is not None:
+            data["outcome"], data["ended_by"] = str(change.outcome), str(change.ended_by)
+        records.append(Record(record_id(vm_resource_id.lower(), event.event_id.lower(), change.fingerprint, 0),
+                              record_source(vm), f"{TYPE_PREFIX}.{change.kind}", event.event_id, rfc3339(at), data))
+    return records
+
+
+def kept_and_fresh() -> list[FleetEvent]:
+    """The same kinds of event from each feed parser (which hands its parse over) and built directly (parsed when
+    first asked): VM, scale-set and availability-set targets, spellings in other cases, a name left out."""
+    vmss = samples.target_id("vmss", "Pool", rg="RG-Upper")
+    cases = [
+        (samples.properties(resources=("vm-a",)), samples.target_id("vm", "vm-a")),
+        (samples.properties(resources=("Pool_0", "pool_1", "bad?name", "pool_2")), vmss),
+        (samples.properties(resources=("web-0", "web-1"), status="Started"), samples.target_id("avset", "web")),
+        (samples.properties(resources=("x_0",)), vmss.upper().replace("PROVIDERS", "providers")),
+    ]
+    events: list[FleetEvent] = []
+    for props, target in cases:
+        row = parse_resource_graph_row(samples.resource_graph_row(props, target))
+        (pushed,) = parse_event_grid(samples.event_grid_event(props, target)).events
+        direct = FleetEvent(row.resource_id, row.subscription_id, row.resource_group, row.event, "resourcegraph",
+                            location=row.location)
+        assert "vms" in row.__dict__ and "vms" in pushed.__dict__ and "vms" not in direct.__dict__
+        events += [row, pushed, direct]
+    return events
+
+
+def test_records_from_the_kept_parse_equal_those_from_a_fresh_parse_of_every_id() -> None:
+    tracker = FleetTracker()
+    for fleet_event in kept_and_fresh():
+        for change in [*tracker.apply(fleet_event, 1), *tracker.apply(
+                replace(fleet_event, event=replace(fleet_event.event, status="Completed")), 2)]:
+            kept = change_records(change, AT)
+            assert [r.to_json() for r in kept] == [r.to_json() for r in freshly_parsed_records(change, AT)]
+            assert [r.source for r in kept] == list(vm_ids(change.event)) and kept
+            assert change.event.vms == EventVms.of(parse_arm_id(change.event.resource_id), change.event.event.resources)
+        tracker = FleetTracker()
+    bad = next(e for e in kept_and_fresh() if "bad?name" in e.event.resources)
+    assert list(bad.vms.names) == ["Pool_0", "pool_1", "pool_2"] and bad.vms.scale_set == "Pool"

@@ -520,6 +520,9 @@ FLEET_ONLY: tuple[Option, ...] = (
     Option("resource-graph-api-version", "api-version of the Resource Graph query", "2024-04-01", metavar="V"),
     Option("reconcile-interval", "time between Resource Graph snapshots (the throttling headers are the real "
            "limit)", 300.0, Number(1, 86_400, unit=SECONDS), metavar="SECONDS"),
+    Option("metrics-max-vms", "most VMs whose per-VM series /metrics shows (those of the first events by status "
+           "and NotBefore; the aggregates count every VM, azure_scheduled_events_per_vm_left_out the rest); 0: "
+           "all", 10_000, Number(0, 10_000_000, whole=True), metavar="VMS"),
     Option("queue-url", "the Storage queue an Event Grid subscription delivers to: https://ACCOUNT.queue.core."
            "windows.net/QUEUE (with the connection string, only its last segment, the queue's name, is used)",
            None, _queue_url, metavar="URL"),
@@ -571,6 +574,7 @@ class FleetSettings(Settings):
     arm_max_reply_bytes: int = 16 * 1024 * 1024
     resource_graph_api_version: str = "2024-04-01"
     reconcile_interval: float = 300.0
+    metrics_max_vms: int = 10_000
     queue_url: str | None = None
     queue_connection_string: str | None = None
     queue_connection_string_file: str | None = None

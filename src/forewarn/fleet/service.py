@@ -280,6 +280,7 @@ class ResourceGraphSource:
                 log.warning("Resource Graph: %s (no event is ended from this snapshot)", warning)
             seconds, quota_remaining = snapshot.seconds, snapshot.quota_remaining
             del snapshot
+            committing = time.monotonic()
             try:
                 self.committer.snapshot(events, started, complete)
             except NotActive:
@@ -294,7 +295,7 @@ class ResourceGraphSource:
             del events
             state.ok()
             self.metrics.source_succeeded("resourcegraph", time.time())
-            self.metrics.reconciled(seconds, quota_remaining)
+            self.metrics.reconciled(seconds, quota_remaining, time.monotonic() - committing)
             stop.wait(self.interval)
 
 
@@ -382,7 +383,8 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
         sort_keys=True))
     sources = (["resourcegraph"] if settings.subscription or settings.management_group else []) + \
         (["queue"] if settings.queue_url else []) + (["eventgrid"] if settings.eventgrid_path else [])
-    metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version)
+    metrics = FleetMetrics(sources, api_version=settings.resource_graph_api_version,
+                           max_vms=settings.metrics_max_vms)
     gate = ScopeGate(scope, metrics.left_out_of_scope)
     sinks = build_sinks(settings.sink, settings)
     server = web_server(settings, web_gate(settings))

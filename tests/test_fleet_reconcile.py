@@ -1,0 +1,63 @@
+"""What a Resource Graph snapshot costs, as /metrics tells it: the read and the commit timed apart, through the
+real client against the ARM stand-in over TLS (tests/peers/arm.py) and a real outbox on disk."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import fleet_samples as samples
+from forewarn.fleet.metrics import FleetMetrics
+from forewarn.fleet.resourcegraph import ResourceGraphClient
+from forewarn.fleet.service import FleetCommitter, ResourceGraphSource
+from forewarn.outbox.outbox import Outbox
+from test_fleet_resourcegraph import TOKEN, FixedToken
+
+from conftest import parse_metrics
+from peers.arm import ArmPeer
+from peers.pki import Authority
+
+READ = "azure_scheduled_events_reconcile_duration_seconds"
+COMMIT = "azure_scheduled_events_reconcile_commit_duration_seconds"
+
+
+def test_the_commit_of_a_snapshot_is_timed_beside_its_read(tmp_path: Path) -> None:
+    # 8 rows, 2,000 records: a read of one page and a commit of 20 transactions, so the two differ
+    authority = Authority("reconcile-test-ca")
+    rows = [samples.resource_graph_row(
+        samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"ss{n}_{k}" for k in range(250)]),
+        samples.target_id("vmss", f"ss{n}")) for n in range(8)]
+    arm = ArmPeer(authority, token=TOKEN, rows=rows)
+    stop = threading.Event()
+    client = ResourceGraphClient(arm.base, FixedToken(), timeout=5.0, stop=stop,
+                                 context=ssl.create_default_context(cadata=authority.pem.decode()))
+    metrics = FleetMetrics(["resourcegraph"])
+    outbox = Outbox(tmp_path / "state", ["file"])
+    source = ResourceGraphSource(client, [samples.SUB], [], 3600.0, FleetCommitter(outbox, metrics), metrics)
+    thread = threading.Thread(target=source.run, args=(stop,), daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while metrics.view.commit_seconds is None and time.monotonic() < deadline:
+            time.sleep(0.002)  # the view, not a render: rendering 2,000 VMs' series takes longer than the commit
+        seen = time.monotonic()
+        with arm.received.lock:
+            last_page = arm.received.times[-1]
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+        outbox.close()
+        arm.stop()
+    found = {name: value for (name, _), value in parse_metrics(metrics.render()[0].decode()).items()
+             if name in (READ, COMMIT)}
+    assert found == {READ: metrics.view.reconcile_seconds, COMMIT: metrics.view.commit_seconds}
+    assert len(arm.received.times) == 1
+    # The commit follows the last page: it fits between that page and the moment the view showed it, and is most
+    # of that time (the rest is one page's answer and parse, and the poll), and longer than the read of 8 rows.
+    after_read = seen - last_page
+    assert 0.5 * after_read <= found[COMMIT] <= after_read
+    assert found[COMMIT] > found[READ] > 0
