@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser("fleet", help="the central service: many VMs' events from Resource Graph and "
                                 "Event Grid (preview feeds)",
                                 description="Read the Scheduled Events Azure publishes centrally (Resource Graph "
-                                "snapshots, Event Grid deliveries through a Storage queue) for many VMs and publish "
-                                "the same records and metrics as `run` (docs/fleet.md). Every option can also be "
-                                "set as FOREWARN_<OPTION> or in the --config file.")
+                                "snapshots, Event Grid deliveries through a Storage queue or pushed to "
+                                "--eventgrid-path) for many VMs and publish the same records and metrics as `run` "
+                                "(docs/fleet.md); --simulate runs it against a built-in simulated fleet instead of "
+                                "Azure. Every option can also be set as FOREWARN_<OPTION> or in the --config file.")
     fleet.add_argument("--config", metavar="FILE", help="YAML file of option names and values [env FOREWARN_CONFIG]")
     add_options(fleet, [o for o in FLEET_OPTIONS if o.name != "simulate"])
     fleet_simulate = next(o for o in FLEET_OPTIONS if o.name == "simulate")
