@@ -5,8 +5,8 @@ API server (or a proxy in front of it) that trickles its answer could hold a nod
 shutdown, indefinitely. This transport sends each request over a kept-alive HTTP/1.1 connection from
 forewarn.deadline, so connect, TLS handshake, send and every read share one deadline for the whole
 request, a set stop signal ends any wait within a quarter second, and an answer is read up to a size cap.
-It also spares the default transport's HTTP/2 and async stack (about 3 MiB of memory; see
-docs/performance.md).
+It also spares the default transport's HTTP/2 and async stack (about 3 MiB of memory, docs/kubernetes.md; the
+memory budget of node actions is in docs/performance.md).
 
 HTTP proxies are not used: forewarn talks to the API server directly, as a pod does in-cluster.
 """
