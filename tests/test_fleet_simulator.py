@@ -136,7 +136,8 @@ def test_the_tour_with_a_policy_approves_the_scale_set_reboot_through_the_stand_
     # The scale-set Reboot: approved by the rule, then started and completed, for each of its two VMs.
     for vm in REBOOT.resources:
         assert got[(vm, REBOOT.event_id)] == ["added", "approved", "updated", "removed"], got
-    # The Redeploy is held, then Azure cancels it; the eviction and the freeze run their course.
+    # The Redeploy is held, then Azure cancels it; the eviction (each status pushed twice) and the freeze run
+    # their course, one record per change.
     assert got[("db-0", REDEPLOY.event_id)] == ["added", "removed"], got
     assert got[("spot_3", PREEMPT.event_id)] == ["added", "updated", "removed"], got
     assert got[("build-0", FREEZE.event_id)] == ["added", "updated", "removed"], got
@@ -159,7 +160,9 @@ def test_the_tour_with_a_policy_approves_the_scale_set_reboot_through_the_stand_
     # /metrics: one approval, every status delivered once by push after the handshake, both sources up.
     assert metric(text, "azure_scheduled_events_approvals_total", event_type="Reboot", result="approved") == 1
     assert metric(text, "azure_scheduled_events_approvals_total", event_type="Redeploy", result="approved") == 0
-    assert metric(text, "azure_scheduled_events_eventgrid_push_requests_total", result="accepted") == 11
+    # 11 statuses, the eviction's 3 delivered twice (Event Grid's repeats): each repeat changes nothing
+    assert metric(text, "azure_scheduled_events_eventgrid_push_requests_total", result="accepted") == 14
+    assert metric(text, "azure_scheduled_events_duplicates_total") >= 3
     assert metric(text, "azure_scheduled_events_eventgrid_push_requests_total", result="validated") == 1
     assert metric(text, "azure_scheduled_events_source_up", source="resourcegraph") == 1
     assert metric(text, "azure_scheduled_events_ended_total", event_type="Redeploy", outcome="cancelled") == 1
@@ -197,6 +200,13 @@ def test_options_that_point_at_azure_are_refused_with_simulate(argv: list[str], 
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "--simulate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_variable_that_points_at_azure_is_named_as_given(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("FOREWARN_QUEUE_URL", "https://account.queue.core.windows.net/events")
+    assert main(["fleet", "--simulate"]) == 2
+    assert "FOREWARN_QUEUE_URL cannot go with it" in capsys.readouterr().err
 
 
 def test_an_unknown_scenario_names_the_built_in_ones(capsys: pytest.CaptureFixture[str]) -> None:
