@@ -84,6 +84,16 @@ class SimulatedFleet:
             return []
         return [json.loads(line) for line in self.records_file.read_text().splitlines() if line.strip()]
 
+    def until_the_tour_ends(self) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+        """Once every event of the tour has ended: the records, /metrics and the stand-in's state; then stop."""
+        try:
+            records = wait_until(lambda: all_ended(self), 20, "every event of the tour to end")
+            text = requests.get(self.metrics_url, timeout=5).text
+            state = requests.get(f"{self.stand_in}/admin/state", timeout=5).json()
+        finally:
+            assert self.stop() == 0, self.log.read_text()[-3000:]
+        return records, text, state
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -125,12 +135,7 @@ def policy(tmp_path: Path) -> Path:
 def test_the_tour_with_a_policy_approves_the_scale_set_reboot_through_the_stand_in(tmp_path: Path,
                                                                                    policy: Path) -> None:
     fleet = SimulatedFleet(tmp_path, "--speed", "300", "--policy", str(policy))
-    try:
-        records = wait_until(lambda: all_ended(fleet), 20, "every event of the tour to end")
-        text = requests.get(fleet.metrics_url, timeout=5).text
-        state = requests.get(f"{fleet.stand_in}/admin/state", timeout=5).json()
-    finally:
-        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+    records, text, state = fleet.until_the_tour_ends()
 
     got = sequences(records)
     # The scale-set Reboot: approved by the rule, then started and completed, for each of its two VMs.
@@ -151,7 +156,8 @@ def test_the_tour_with_a_policy_approves_the_scale_set_reboot_through_the_stand_
     evicted = by_change[("spot_3", PREEMPT.event_id, "removed")]["data"]
     assert (evicted["outcome"], evicted["event"]["EventType"]) == ("completed", "Preempt")
     assert evicted["vm"]["subscription_id"] != approved["data"]["vm"]["subscription_id"]
-    # The acknowledgement reached the stand-in, which started the event well before its NotBefore.
+    # The stand-in refused nothing fleet mode sent; its acknowledgement started the event well before NotBefore.
+    assert state["refusals"] == [] and state["queries"] >= 2, state
     assert [(a["target"], a["event_ids"]) for a in state["acknowledgements"]] == \
         [(REBOOT.target.arm_id, [REBOOT.event_id])]
     reboot = next(e for e in state["events"] if e["EventId"] == REBOOT.event_id)
@@ -173,12 +179,7 @@ def test_the_tour_with_a_policy_approves_the_scale_set_reboot_through_the_stand_
 @pytest.mark.slow
 def test_the_tour_without_a_policy_acknowledges_nothing_and_the_reboot_starts_at_not_before(tmp_path: Path) -> None:
     fleet = SimulatedFleet(tmp_path, "--speed", "400", "--state-dir", str(tmp_path / "state"))
-    try:
-        records = wait_until(lambda: all_ended(fleet), 20, "every event of the tour to end")
-        text = requests.get(fleet.metrics_url, timeout=5).text
-        state = requests.get(f"{fleet.stand_in}/admin/state", timeout=5).json()
-    finally:
-        assert fleet.stop() == 0, fleet.log.read_text()[-3000:]
+    records, text, state = fleet.until_the_tour_ends()
     got = sequences(records)
     for vm in REBOOT.resources:
         assert got[(vm, REBOOT.event_id)] == ["added", "updated", "removed"], got
@@ -263,6 +264,7 @@ def test_the_stand_in_refuses_what_arm_would(simulation: FleetSimulation, path: 
     answer = requests.post(f"{simulation.url}{path}", json=body, headers=headers or bearer(simulation), timeout=5)
     assert answer.status_code == status, answer.text
     assert "error" in answer.json() and simulation.timeline.acknowledgements == []
+    assert len(simulation.stand_in.state()["refusals"]) == 1
 
 
 def test_the_stand_in_starts_an_acknowledged_event_soon_after(simulation: FleetSimulation) -> None:

@@ -375,7 +375,8 @@ def _server_error(status: int) -> Response:
 
 class FleetStandIn:
     """Resource Graph's query route and the Maintenance RP's acknowledge routes for a FleetTimeline, on
-    loopback; `/admin/state` shows the timeline and the acknowledgements (not part of ARM)."""
+    loopback; `/admin/state` (not part of ARM) shows the timeline, the acknowledgements, the queries answered
+    and the requests refused, each with ARM's error."""
 
     def __init__(self, timeline: FleetTimeline, token: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.timeline = timeline
@@ -386,7 +387,7 @@ class FleetStandIn:
                                name="fleet-simulator", server_version="forewarn-fleet-simulator", error=_server_error)
         self.http.route(RESOURCES_PATH, self._query, methods=("POST",))
         self.http.route("/subscriptions/", self._acknowledge, methods=("POST",), prefix=True)
-        self.http.route("/admin/state", lambda request: _json(200, self.timeline.state()), methods=("GET",))
+        self.http.route("/admin/state", lambda request: _json(200, self.state()), methods=("GET",))
 
     @property
     def url(self) -> str:
@@ -398,6 +399,10 @@ class FleetStandIn:
 
     def stop(self) -> None:
         self.http.stop()
+
+    def state(self) -> dict[str, Any]:
+        """The timeline, the acknowledgements, the queries answered and every request refused (with why)."""
+        return {**self.timeline.state(), "queries": self.queries, "refusals": list(self.refusals)}
 
     def _checked(self, request: Request, versions: Sequence[str]) -> Response | None:
         """401 without the token, 400 for an api-version ARM does not know; None when both are right."""
