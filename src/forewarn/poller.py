@@ -64,6 +64,12 @@ class StoreMetrics(Protocol):
     def outbox_dropped(self) -> Any: ...
 
     @property
+    def outbox_stored(self) -> Any: ...
+
+    @property
+    def outbox_capacity(self) -> Any: ...
+
+    @property
     def records(self) -> Any: ...
 
     @property
@@ -71,16 +77,26 @@ class StoreMetrics(Protocol):
 
 
 class OutboxMetrics(OutboxObserver):
-    """The outbox's storage events as metrics: failed writes, dropped records, and the state_writable gauge."""
+    """The outbox's storage events as metrics: failed writes, dropped and refused records, how full it is, and the
+    state_writable gauge."""
 
-    def __init__(self, metrics: StoreMetrics) -> None:
+    def __init__(self, metrics: StoreMetrics, refused: Any = None) -> None:
         self._metrics = metrics
+        self._refused = refused  # fleet mode's outbox_refused counter: only its outbox refuses commits
 
     def write_failed(self) -> None:
         self._metrics.store_errors.inc()
 
     def records_dropped(self, count: int) -> None:
         self._metrics.outbox_dropped.inc(count)
+
+    def stored_changed(self, stored: int, capacity: int) -> None:
+        self._metrics.outbox_stored.set(stored)
+        self._metrics.outbox_capacity.set(capacity)
+
+    def commit_refused(self) -> None:
+        if self._refused is not None:
+            self._refused.inc()
 
     def writable_changed(self, writable: bool) -> None:
         self._metrics.views.store_writable(writable)

@@ -120,6 +120,14 @@ class FleetMetrics:
                                        "Failed delivery attempts, by sink (each is retried).", ["sink"], registry=r)
         self.outbox_dropped = Counter("azure_scheduled_events_outbox_dropped_records_total",
                                       "Records dropped because the outbox was full.", registry=r)
+        self.outbox_stored = Gauge("azure_scheduled_events_outbox_stored_records",
+                                   "Records in the outbox, for every sink together (what counts against "
+                                   "--outbox-max-records).", registry=r)
+        self.outbox_capacity = Gauge("azure_scheduled_events_outbox_capacity_records",
+                                     "The outbox's bound, --outbox-max-records.", registry=r)
+        self.outbox_refused = Counter("azure_scheduled_events_outbox_refused_commits_total",
+                                      "Commits the full outbox refused: the source keeps its news and brings it "
+                                      "again once the sinks have taken records (nothing is dropped).", registry=r)
         self.store_errors = Counter("azure_scheduled_events_state_write_errors_total",
                                     "Failed writes of state or outbox.", registry=r)
         self.state_writable = Gauge("azure_scheduled_events_state_writable",

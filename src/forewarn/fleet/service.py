@@ -42,9 +42,10 @@ from forewarn.fleet.state import PREFIX, changed_state, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
-from forewarn.outbox.outbox import Outbox, StoreError
+from forewarn.outbox.outbox import Outbox, OutboxFull, StoreError
 from forewarn.owner import Owner
 from forewarn.poller import DeliveryMetrics, OutboxMetrics
+from forewarn.records import Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.sources import STOP_WAIT, Source, Term
@@ -131,6 +132,7 @@ class FleetCommitter:
         with self._lock:
             if not self.active():
                 raise NotActive("this replica does not hold the Lease")
+            self._check_room()
             now = self.clock()
             changes: list[FleetChange] = []
             repeats = 0
@@ -147,6 +149,7 @@ class FleetCommitter:
         with self._lock:
             if not self.active():
                 raise NotActive("this replica does not hold the Lease")
+            self._check_room()
             now = self.clock()
             changes = self.tracker.apply_snapshot(events, started_at, now, complete)
             self._commit(changes, now)
@@ -156,6 +159,13 @@ class FleetCommitter:
                 # "missing from two complete snapshots" must mean two views taken while this replica acted.
                 self.complete_snapshots += started_at >= self._term_started
             return changes
+
+    def _check_room(self) -> None:
+        """OutboxFull at once while the outbox is full: news applied to the tracker only to be refused by the
+        outbox would cost a reload of the saved state to undo (docs/fleet.md, "A full outbox")."""
+        outbox = self.outbox
+        if outbox.overflow == "refuse" and outbox.stored >= outbox.max_records:
+            raise OutboxFull(outbox.stored, 1, outbox.max_records)
 
     # --- the Lease's handover (forewarn.fleet.handover) ---------------------------------------------------
     def inherit(self, annotation: str | None) -> None:
@@ -196,14 +206,20 @@ class FleetCommitter:
             try:
                 self.outbox.append(records, state=changed_state(part, self.tracker))
             except Exception:
-                # Not committed: back to the committed state, so the same news, delivered again (the queue
-                # message was not deleted), is a change again and is not lost.
+                # Not committed (a full outbox refused it, or the disk failed): back to the committed state, so
+                # the same news, delivered again (the queue message was not deleted, the next snapshot lists it),
+                # is a change again and is not lost. The slices before this one stand: their listeners, log
+                # lines and counts are due all the same (an ended event's node actions are undone).
                 self.tracker = self._restore()
-                self.metrics.events_now(self.tracker.open_events, self.clock())
+                self._committed(changes[:start], self.clock())
                 raise
             if known:
                 self._inherited.difference_update(handover.digest(change.event) for change in known)
                 self.metrics.handed_over.inc(len(known))
+        self._committed(changes, now)
+
+    def _committed(self, changes: Sequence[FleetChange], now: float) -> None:
+        """What follows the commit of `changes`: the listeners, a log line and the counts of each, the gauges."""
         ended = [change for change in changes if change.kind is ChangeKind.REMOVED]
         try:   # the listeners' troubles are theirs: the commit stands
             if ended:
@@ -285,6 +301,12 @@ class ResourceGraphSource:
                 self.committer.snapshot(events, started, complete)
             except NotActive:
                 return
+            except OutboxFull as exc:
+                # What fitted is committed; the rest is news again in the next snapshot, taken once the sinks
+                # have made room for it. Not counted complete, so no event is ended by its absence from it.
+                del events
+                wait_for_room(self.committer.outbox, exc, stop, "the rest of this Resource Graph snapshot")
+                continue
             except Exception:
                 log.exception("cannot commit a Resource Graph snapshot; the next one tries again")
                 self.metrics.source_failed("resourcegraph")
@@ -309,6 +331,8 @@ class QueueReader:
     committer: FleetCommitter
     metrics: FleetMetrics
     gate: ScopeGate
+    #: The refusal of a full outbox, until there is room again (no message is received meanwhile).
+    full: OutboxFull | None = None
 
     def _commit_then_delete(self, deliveries: Sequence[Any]) -> None:
         """The events of one receive committed in one transaction, then each message deleted: a message
@@ -322,6 +346,10 @@ class QueueReader:
             self.committer.news(self.gate.keep(events, "queue"))
         except NotActive:
             return  # the term is over: the messages come back to the active replica
+        except OutboxFull as exc:
+            # Back in the queue after their visibility timeout; no more are received until there is room.
+            self.full = exc
+            return
         except Exception:
             log.exception("cannot commit %d queue message(s); they stay in the queue", len(deliveries))
             return
@@ -336,6 +364,9 @@ class QueueReader:
             deliveries = self.source.poll(stop)
             if deliveries and not stop.is_set():
                 self._commit_then_delete(deliveries)
+            if self.full is not None:
+                wait_for_room(self.committer.outbox, self.full, stop, f"{len(deliveries)} queue message(s)")
+                self.full = None
             stats = self.source.stats
             for result, total in (("received", stats.received), ("deleted", stats.deleted),
                                   ("poisoned", stats.poisoned), ("unreadable", stats.parse_failures)):
@@ -346,6 +377,19 @@ class QueueReader:
                 self.metrics.source_succeeded("queue", stats.last_success)
             elif stats.state == "unavailable":
                 self.metrics.source_failed("queue")
+
+
+def wait_for_room(outbox: Outbox, refused: OutboxFull, stop: threading.Event, what: str) -> None:
+    """Back-pressure on a source whose commit the full outbox refused: wait, reading nothing new, until the
+    refused commit fits and half the outbox is free (so the next attempt takes more than one slice), or stop."""
+    room = max(0, min(outbox.max_records // 2, outbox.max_records - refused.adding))
+    log.warning("outbox full (%d of %d records): %s not committed; waiting for the sinks to take records "
+                "(nothing is dropped)", refused.stored, outbox.max_records, what)
+    started = time.monotonic()
+    while not stop.is_set():
+        if outbox.wait_for_room(room, timeout=1.0):
+            log.info("outbox has room again after %.0f s", time.monotonic() - started)
+            return
 
 
 def run_fleet(settings: FleetSettings) -> int:
@@ -401,7 +445,7 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
     add_metrics_endpoints(server, metrics.respond, ready)
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
-                    OutboxMetrics(metrics))
+                    OutboxMetrics(metrics, metrics.outbox_refused), overflow="refuse")
     workers = [DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), batch_size=DELIVERY_BATCH) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
@@ -426,7 +470,11 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
 
         acknowledger = build_acknowledger(settings, stop, simulation)
         closers.append(acknowledger.close)
-        record = committer.outbox.append
+
+        def record(records: Sequence[Record]) -> None:
+            """Records of decisions and node actions already taken: never refused, never pushing others out."""
+            committer.outbox.append(records, overflow="exceed")
+
         owner = fleet_owner(settings, elector)
         approver = FleetApprover(policy, acknowledger, committer.view, record, metrics.approvals,
                                  dry_run=settings.dry_run, active=committer.active,

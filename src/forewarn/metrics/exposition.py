@@ -87,6 +87,11 @@ class Metrics:
         self.outbox_dropped = Counter(
             "azure_scheduled_events_outbox_dropped_records_total",
             "Records dropped because the outbox was full (oldest first).", registry=r)
+        self.outbox_stored = Gauge(
+            "azure_scheduled_events_outbox_stored_records",
+            "Records in the outbox, for every sink together (what counts against --outbox-max-records).", registry=r)
+        self.outbox_capacity = Gauge(
+            "azure_scheduled_events_outbox_capacity_records", "The outbox's bound, --outbox-max-records.", registry=r)
         self.store_errors = Counter(
             "azure_scheduled_events_state_write_errors_total",
             "Failed writes of state or outbox (disk full, read-only state dir).", registry=r)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,10 @@ from pathlib import Path
 from forewarn.backlog import Backlog
 from forewarn.imds.document import Document
 from forewarn.logs import StateLog
-from forewarn.outbox.store import DB_FILE, DEFAULT_MAX_RECORDS, Store, StoreError
+from forewarn.outbox.store import DB_FILE, DEFAULT_MAX_RECORDS, OutboxFull, Overflow, Store, StoreError
 from forewarn.records import JsonRecords, Record
 
-__all__ = ["RETRY_SECONDS", "Backlog", "Batch", "Outbox", "OutboxObserver", "StoreError"]
+__all__ = ["RETRY_SECONDS", "Backlog", "Batch", "Outbox", "OutboxFull", "OutboxObserver", "Overflow", "StoreError"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class OutboxObserver:
     def writable_changed(self, writable: bool) -> None:
         """The outbox moved into memory (False) or back onto the state dir (True)."""
 
+    def stored_changed(self, stored: int, capacity: int) -> None:
+        """The outbox holds `stored` of at most `capacity` records now (for every sink together): at start,
+        and after each append or acknowledgement."""
+
+    def commit_refused(self) -> None:
+        """An append with overflow "refuse" did not fit and wrote nothing (OutboxFull)."""
+
 
 class Outbox:
     """Records waiting for the named sinks, delivered at least once and in order to each.
@@ -66,9 +74,13 @@ class Outbox:
     """
 
     def __init__(self, state_dir: Path | None, sinks: Sequence[str], max_records: int = DEFAULT_MAX_RECORDS,
-                 observer: OutboxObserver | None = None, retry_seconds: float = RETRY_SECONDS) -> None:
+                 observer: OutboxObserver | None = None, retry_seconds: float = RETRY_SECONDS,
+                 overflow: Overflow = "drop") -> None:
         self.state_dir = state_dir
         self.max_records = max_records
+        #: What an append does when its records do not fit (Store.commit): "drop" the oldest (the per-VM
+        #: agent), or "refuse" (fleet mode: its sources keep their news and bring it again).
+        self.overflow: Overflow = overflow
         self._sinks = list(sinks)
         self._observer = observer or OutboxObserver()
         self._retry_seconds = retry_seconds
@@ -83,6 +95,10 @@ class Outbox:
         self._store = self._open()
         if not self._writable:
             self._start_retrying()
+        #: Records held, as the last append or ack left them; `wait_for_room` waits on it.
+        self._room = threading.Condition()
+        self._stored = self._store.stored()
+        self._observer.stored_changed(self._stored, self.max_records)
 
     def _open(self) -> Store:
         if self.state_dir is None:
@@ -118,29 +134,65 @@ class Outbox:
         return self._store.states(prefix)
 
     def append(self, records: Sequence[Record], document: Document | None = None,
-               state: Mapping[str, str | None] | None = None) -> int:
+               state: Mapping[str, str | None] | None = None, overflow: Overflow | None = None) -> int:
         """Add records, and `document` (or `state`, text by key; None removes a key) as the saved state when
         given, in one transaction; then wake the workers. Returns how many of the oldest records were dropped to stay
         within `max_records`.
 
-        Only the loop that owns the state passes it (the poll loop its document, fleet mode its tracker):
-        the saved state moves forward only together with the records of its changes. A write the state
-        dir refuses is made in memory instead.
+        `overflow` (default: the outbox's own) says what happens when the records do not fit: "drop" the
+        oldest, "refuse" (raise OutboxFull and write nothing), or "exceed" the bound (records of actions
+        already taken, which are few and must not be refused). Only the loop that owns the state passes it
+        (the poll loop its document, fleet mode its tracker): the saved state moves forward only together
+        with the records of its changes. A write the state dir refuses is made in memory instead.
         """
+        overflow = overflow or self.overflow
         with self._lock:
             if self._closed.is_set():
                 raise StoreError("the outbox is closed")
             try:
-                dropped = self._store.commit(document, records, state)
-            except StoreError as exc:
-                self._observer.write_failed()
-                self._move_to_memory(str(exc))
-                dropped = self._store.commit(document, records, state)
+                try:
+                    dropped, stored = self._store.commit(document, records, state, overflow)
+                except StoreError as exc:
+                    self._observer.write_failed()
+                    self._move_to_memory(str(exc))
+                    dropped, stored = self._store.commit(document, records, state, overflow)
+            except OutboxFull:
+                self._observer.commit_refused()
+                raise
             if dropped:
                 self._observer.records_dropped(dropped)
                 log.error("outbox full (%d records): dropped the %d oldest", self.max_records, dropped)
+            self._set_stored(stored)
         self.wake()
         return dropped
+
+    @property
+    def stored(self) -> int:
+        """The records held for every sink together, as the last append or acknowledgement left them."""
+        return self._stored
+
+    def wait_for_room(self, records: int, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the outbox holds at most `records`; False on timeout. Each
+        acknowledgement wakes it, and it reads the store itself (two index lookups) rather than trust a count
+        that an append and an ack on two threads may have set in the wrong order."""
+        deadline = time.monotonic() + timeout
+        with self._room:
+            while True:
+                try:
+                    if self._store.stored() <= records:
+                        return True
+                except StoreError:
+                    pass  # closed, or moving between stores: look again
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._room.wait(min(left, 1.0))
+
+    def _set_stored(self, stored: int) -> None:
+        with self._room:
+            self._stored = stored
+            self._room.notify_all()
+        self._observer.stored_changed(stored, self.max_records)
 
     def take(self, sink: str, limit: int, after: int = 0) -> Batch:
         """Up to `limit` records `sink` has not acknowledged, oldest first (one read of the store); only
@@ -151,7 +203,7 @@ class Outbox:
     def ack(self, sink: str, up_to: int) -> None:
         """`sink` has every record up to sequence number `up_to` (a `Batch`'s `last`); what no sink still
         needs is deleted, in one transaction."""
-        self._store.ack(sink, up_to)
+        self._set_stored(self._store.ack(sink, up_to))
 
     @property
     def sinks(self) -> tuple[str, ...]:
@@ -201,6 +253,7 @@ class Outbox:
             log.error("could not carry the outbox over to memory (%s); records waiting on disk are delivered "
                       "once it recovers", exc)
         self._store = memory
+        self._set_stored(memory.stored())
         # Closing every connection releases any lock a failed write left behind, so the disk store can be
         # opened again as soon as there is room.
         old.close()
@@ -225,6 +278,7 @@ class Outbox:
             return False
         self._store = disk
         memory.close()
+        self._set_stored(disk.stored())
         self._writable = True
         self._state_log.ok()
         self._observer.writable_changed(True)

@@ -7,6 +7,11 @@ the same records again, with the same ids (at least once, nothing lost, nothing 
 
 Each sink has a cursor: the highest record sequence number it acknowledged. A record is deleted once
 every configured sink is past it, so a slow sink never holds back another's delivery.
+
+Records are only ever deleted from the low end (acknowledged ones, and the oldest when the outbox is full) and
+numbered one after another, so the outbox holds exactly MAX(seq) - MIN(seq) + 1 records: two lookups in the
+primary key's index instead of a count that reads every row (tests/test_outbox_count.py holds the two equal
+through appends, acknowledgements, drops, refusals and moves between stores in any order).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from forewarn.backlog import Backlog
 from forewarn.imds.document import Document, DocumentError, parse_document
@@ -39,11 +45,33 @@ CREATE TABLE IF NOT EXISTS cursors (sink TEXT PRIMARY KEY, acked INTEGER NOT NUL
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
+#: The lowest and highest sequence number (None, None when empty). Two subqueries: SQLite looks a lone MIN()
+#: or MAX() up in the primary key's index, but reads every row for the two together (tests/test_outbox_count.py).
+ENDS_SQL = "SELECT (SELECT MIN(seq) FROM records), (SELECT MAX(seq) FROM records)"
+
 _memory_ids = itertools.count()
+
+
+#: What a commit does when its records do not fit within `max_records`: drop the oldest records to make room
+#: (the per-VM agent), refuse the whole commit with OutboxFull (fleet mode's sources, which keep their news and
+#: bring it again), or go over the bound (a few records of actions already taken, which must not be refused).
+Overflow = Literal["drop", "refuse", "exceed"]
 
 
 class StoreError(Exception):
     """The store could not be read or written; the message says why (disk full, read-only, ...)."""
+
+
+class OutboxFull(Exception):
+    """A commit with overflow "refuse" did not fit: nothing was written. Not a StoreError: the store works,
+    and the records fit once the sinks have taken some."""
+
+    def __init__(self, stored: int, adding: int, max_records: int) -> None:
+        super().__init__(f"the outbox holds {stored} of at most {max_records} records and cannot take {adding} "
+                         "more until the sinks have taken some")
+        self.stored = stored
+        self.adding = adding
+        self.max_records = max_records
 
 
 class Store:
@@ -191,20 +219,28 @@ class Store:
         return {str(key): str(value) for key, value in rows}
 
     def commit(self, document: Document | None, records: Sequence[Record],
-               state: Mapping[str, str | None] | None = None) -> int:
+               state: Mapping[str, str | None] | None = None, overflow: Overflow = "drop") -> tuple[int, int]:
         """Write `records` to the outbox, `document` as the state and each of `state` under its key (None
         deletes the key), in one transaction.
 
-        Returns how many old records were dropped to keep the outbox within `max_records`. Raises
-        StoreError (and writes nothing) when the disk is full or the file is not writable.
+        Returns how many old records were dropped to keep the outbox within `max_records` (overflow "drop"),
+        and how many records the outbox holds after the commit. Raises OutboxFull (overflow "refuse": the
+        records do not fit, and the outbox is not empty) or StoreError (the disk is full or the file is not
+        writable), and then writes nothing. An empty outbox takes a commit larger than `max_records` whole
+        (refusing it would refuse it for ever), and a commit of state alone always fits.
         """
         now = time.time()
         with self._transaction() as conn:
+            if overflow == "refuse":
+                stored = self._stored(conn)
+                if records and stored and stored + len(records) > self.max_records:
+                    raise OutboxFull(stored, len(records), self.max_records)
             conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
                              [(record.to_json(), now) for record in records])
             self._save_document(conn, document)
             self._save_states(conn, state)
-            return self._enforce_bound(conn)
+            dropped = self._enforce_bound(conn) if overflow == "drop" else 0
+            return dropped, self._stored(conn)
 
     @staticmethod
     def _save_states(conn: sqlite3.Connection, state: Mapping[str, str | None] | None) -> None:
@@ -222,13 +258,29 @@ class Store:
             conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('document', ?)",
                          (json.dumps(dict(document.raw), separators=(",", ":")),))
 
+    @staticmethod
+    def _stored(conn: sqlite3.Connection) -> int:
+        """How many records the outbox holds: its sequence numbers have no gaps (see the module's docstring),
+        and MIN and MAX of the primary key are each one lookup in its index, where COUNT(*) reads every row."""
+        low, high = conn.execute(ENDS_SQL).fetchone()
+        return 0 if low is None else int(high) - int(low) + 1
+
     def _enforce_bound(self, conn: sqlite3.Connection) -> int:
-        count, low = conn.execute("SELECT COUNT(*), MIN(seq) FROM records").fetchone()
-        excess = count - self.max_records
+        """Drop the oldest records beyond `max_records`; returns how many."""
+        low, high = conn.execute(ENDS_SQL).fetchone()
+        excess = 0 if low is None else int(high) - int(low) + 1 - self.max_records
         if excess <= 0:
             return 0
         conn.execute("DELETE FROM records WHERE seq < ?", (low + excess,))
         return int(excess)
+
+    def stored(self) -> int:
+        """How many records the outbox holds (for every sink together)."""
+        try:
+            with self._use() as conn:
+                return self._stored(conn)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the outbox: {exc}") from exc
 
     def _prune(self, conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM records WHERE seq <= (SELECT MIN(acked) FROM cursors)")
@@ -247,15 +299,16 @@ class Store:
             raise StoreError(f"cannot read the outbox: {exc}") from exc
         return [(int(seq), str(body)) for seq, body in rows]
 
-    def ack(self, sink: str, seq: int) -> None:
+    def ack(self, sink: str, seq: int) -> int:
         """The sink has every record up to `seq`; drop what no sink still needs.
 
         Not waited for on disk: an acknowledgement that a power cut undoes only sends its records again,
         with the same ids (the delivery promise is at least once), while an fsync per batch cost as much
-        as writing a batch of 2,000 records to a file."""
+        as writing a batch of 2,000 records to a file. Returns how many records the outbox holds after it."""
         with self._transaction(durable=False) as conn:
             conn.execute("UPDATE cursors SET acked = MAX(acked, ?) WHERE sink = ?", (seq, sink))
             self._prune(conn)
+            return self._stored(conn)
 
     def backlog(self, sink: str) -> Backlog:
         try:
@@ -289,12 +342,14 @@ class Store:
             conn.executemany("INSERT INTO records (seq, body, created) VALUES (?, ?, ?)", rows)
             for sink, acked in cursors.items():
                 conn.execute("UPDATE cursors SET acked = ? WHERE sink = ?", (acked, sink))
-            # New records must number after everything adopted, or a cursor would skip them.
+            # New records must number after everything adopted, or a cursor would skip them; and right after
+            # the last record adopted, so that the numbers have no gap (`_stored` counts on it). The rows of
+            # a store have no gap either: `dump` reads them all.
             high = max([seq for seq, _, _ in rows] + list(cursors.values()) + [0])
             current = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
             conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
             conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)",
-                         (max(high, current[0] if current else 0),))
+                         (high if rows else max(high, current[0] if current else 0),))
             self._save_document(conn, document)
             self._save_states(conn, state)
 
