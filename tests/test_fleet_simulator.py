@@ -210,6 +210,14 @@ def test_a_variable_that_points_at_azure_is_named_as_given(monkeypatch: pytest.M
     assert "FOREWARN_QUEUE_URL cannot go with it" in capsys.readouterr().err
 
 
+def test_a_policy_with_node_actions_is_refused_with_simulate(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "nodes.yaml"
+    policy.write_text("version: 1\nrules:\n  - name: cordon\n    node: [cordon]\n    action: approve\n")
+    assert main(["fleet", "--simulate", "--policy", str(policy), "--listen-address", "127.0.0.1:0"]) == 2
+    assert "node actions need a Kubernetes cluster, which --simulate does not play" in capsys.readouterr().err
+
+
 def test_an_unknown_scenario_names_the_built_in_ones(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "--simulate", "nope", "--listen-address", "127.0.0.1:0"]) == 2
     assert "no such fleet scenario; built-in: tour, spot-eviction" in capsys.readouterr().err

@@ -420,6 +420,9 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
     # resource groups in every subscription the queue or push brings.
     scope = fleet_scope(settings)
     policy = load_fleet_policy(settings)
+    if simulation is not None and policy is not None and policy.uses_node_actions:
+        raise ConfigError(f"--policy {settings.policy}: its node actions need a Kubernetes cluster, which --simulate "
+                          "does not play; try the simulator with a policy without `node` actions")
     stop = threading.Event()
     handle_signals(stop)
     log.info("forewarn %s fleet starting with %s", __version__, json.dumps(
