@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from forewarn.cli import main
+from forewarn.fleet.arm import arm_base
 from forewarn.fleet.feed import parse_event_grid, parse_resource_graph_row
 from forewarn.simulator.fleet import FLEET_SCENARIOS, FleetSimulation, sample_messages
 
@@ -283,6 +284,24 @@ def test_the_stand_in_starts_an_acknowledged_event_soon_after(simulation: FleetS
     assert answer.json() == {"value": "Successfully Approved"}
     started = simulation.timeline.milestones(REBOOT)[1]
     assert started.status == "Started" and 30 < started.at < 35
+
+
+@pytest.mark.parametrize(("endpoint", "loopback_http", "expected"), [
+    ("http://127.0.0.1:8080", True, ("http://127.0.0.1:8080", "127.0.0.1", 8080)),
+    ("http://[::1]:8080", True, ("http://[::1]:8080", "::1", 8080)),
+    ("https://management.azure.com", True, ("https://management.azure.com", "management.azure.com", 443)),
+    ("http://127.0.0.1:8080", False, None),        # only the simulator asks for plain HTTP
+    ("http://localhost:8080", True, None),         # a name could resolve anywhere
+    ("http://10.1.2.3:8080", True, None),
+    ("http://127.0.0.1:8080/path", True, None),
+])
+def test_plain_http_to_arm_only_for_a_loopback_address_and_only_when_asked(
+        endpoint: str, loopback_http: bool, expected: tuple[str, str, int] | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match="must be an https base URL"):
+            arm_base(endpoint, loopback_http)
+    else:
+        assert arm_base(endpoint, loopback_http) == expected
 
 
 def _doc_block(heading: str, language: str) -> str:
