@@ -318,6 +318,8 @@ FEATURES = {
                            "azure_scheduled_events_fleet_undo_held",
                            "azure_scheduled_events_fleet_nodes_waiting_for_snapshot"},
     "own codec": {"azure_scheduled_events_own_codec_in_use"},
+    "queue": {"azure_scheduled_events_queue_messages_total", "azure_scheduled_events_feed_lag_seconds"},
+    "lease": {"azure_scheduled_events_handover_skipped_total"},
 }
 
 
@@ -368,7 +370,9 @@ def scrape(url: str) -> str:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The /metrics of `forewarn run --simulate` and `forewarn fleet`, each plain (no policy, nothing but a file
     sink) and with every feature configured (a policy with hooks and node actions against the Kubernetes API
-    stand-in, an OTLP gRPC sink; fleet mode fed by the Resource Graph stand-in and Event Grid push)."""
+    stand-in, an OTLP gRPC sink; fleet mode fed by the Resource Graph stand-in, a Storage queue (Azurite) and
+    Event Grid push, under a Lease)."""
+    from test_fleet_queue import Azurite, require_azurite
     from test_fleet_service import SUBS, Fleet, row
     from test_node_actions import CLUSTER_ROLE
 
@@ -376,7 +380,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     from peers.kube_api import KubeApi
     from peers.pki import Authority
 
+    node = require_azurite()
     tmp = tmp_path_factory.mktemp("docs-metrics")
+    fleet_roles = tmp / "fleet-roles"  # node actions and the Lease, as the fleet overlay and component grant them
+    fleet_roles.mkdir()
+    for role in ("components/fleet-node-actions/clusterrole.yaml", "overlays/fleet/role.yaml"):
+        (fleet_roles / role.replace("/", "-")).write_text((ROOT / "deploy" / "kubernetes" / role).read_text())
     hook = json.dumps([sys.executable, "-c", "pass"])
     policy = tmp / "policy.yaml"
     policy.write_text(f"rules:\n  - name: reboot\n    action: approve\n    match: {{event_type: [Reboot]}}\n"
@@ -401,13 +410,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         except requests.RequestException:
             return False
 
+    azurite = Azurite(node, tmp / "azurite")
     authority = Authority("docs-test-ca")
     arm = ArmPeer(authority, rows=[row(SUBS[0], 300)])
     arm.faults.quota_limit = 100
     try:
-        with KubeApi(cluster_role=CLUSTER_ROLE) as node_api, KubeApi(
-                cluster_role=ROOT / "deploy" / "kubernetes" / "components" / "fleet-node-actions" /
-                "clusterrole.yaml", namespaces=["forewarn"]) as fleet_api:
+        with KubeApi(cluster_role=CLUSTER_ROLE) as node_api, KubeApi(cluster_role=fleet_roles,
+                                                                      namespaces=["forewarn"]) as fleet_api:
             node_api.add_node("node-1")
             plain_run = agent("plain")
             full_run = agent("full", "--policy", str(policy), "--node-name", "node-1", "--kubeconfig",
@@ -418,7 +427,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                  f"127.0.0.1:{port}", "--state-dir", str(tmp / "fleet-plain")],
                 stdout=subprocess.DEVNULL, stderr=(tmp / "fleet-plain.log").open("wb")))
             plain_fleet = f"http://127.0.0.1:{port}/metrics"
-            fleet = Fleet(tmp, arm, authority, None, None, extra=(
+            fleet = Fleet(tmp, arm, authority, azurite, azurite.queue().queue_name, extra=(
+                "--lease-name", "forewarn-fleet", "--lease-seconds", "3",
                 "--policy", str(policy), "--kubeconfig", str(fleet_api.kubeconfig(tmp / "fleet-kubeconfig",
                                                                                    namespace="forewarn")),
                 "--eventgrid-path", "/eventgrid", *otlp), env={"FOREWARN_EVENTGRID_SECRET": "0" * 32}).start()
@@ -441,6 +451,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         for proc in processes:
             proc.wait(15)
         arm.stop()
+        azurite.stop()
 
 
 def test_a_plain_agent_and_fleet_export_no_family_of_a_feature_that_is_off(live: dict[str, str]) -> None:

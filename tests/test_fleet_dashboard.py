@@ -41,6 +41,7 @@ def exported() -> set[str]:
     metrics = FleetMetrics(["resourcegraph", "queue", "eventgrid"])
     metrics.events_now([news("Scheduled", "E-1")])
     metrics.policy_loaded(hooks=True, node_actions=True)  # every family, those of the features that may be off too
+    metrics.lease_in_use()
     names = set()
     for name, kind in re.findall(r"^# TYPE (\S+) (\S+)", metrics.render()[0].decode(), re.MULTILINE):
         names.add(name + "_total" if kind == "counter" and not name.endswith("_total") else name)

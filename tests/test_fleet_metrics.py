@@ -262,3 +262,30 @@ def test_docs_give_the_measured_series_per_vm_and_per_event() -> None:
     stated = re.search(r"(\d+) series per VM it acts on,? plus (\d+) aggregate series", " ".join(docs.split()))
     assert stated is not None, "docs/metrics.md states the series an open event costs"
     assert (int(stated[1]), int(stated[2])) == (per_vm_series, per_event)
+
+
+def test_the_families_of_a_source_or_the_lease_are_there_only_when_it_is_configured() -> None:
+    queue = {"azure_scheduled_events_queue_messages_total", "azure_scheduled_events_feed_lag_seconds"}
+    push = {"azure_scheduled_events_eventgrid_push_requests_total"}
+    scoped = {"azure_scheduled_events_out_of_scope_total"}
+    lease = {"azure_scheduled_events_handover_skipped_total"}
+    every = queue | push | scoped | lease
+    from test_metrics import family_names
+
+    def shown(metrics: FleetMetrics) -> set[str]:
+        return family_names(metrics.render()[0].decode()) & every
+
+    def errors(metrics: FleetMetrics) -> list[str]:
+        samples = parse_metrics(metrics.render()[0].decode())
+        return sorted(dict(labels)["source"] for name, labels in samples
+                      if name == "azure_scheduled_events_source_errors_total")
+
+    only_snapshots = FleetMetrics(["resourcegraph"])
+    assert shown(only_snapshots) == set() and errors(only_snapshots) == ["resourcegraph"]
+    assert shown(FleetMetrics(["queue"])) == queue | scoped
+    pushed = FleetMetrics(["resourcegraph", "eventgrid"])
+    assert shown(pushed) == push | scoped
+    text = pushed.render()[0].decode()
+    assert 'out_of_scope_total{source="eventgrid"} 0.0' in text and 'out_of_scope_total{source="queue"}' not in text
+    pushed.lease_in_use()
+    assert shown(pushed) == push | scoped | lease

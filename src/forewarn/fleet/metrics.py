@@ -136,9 +136,11 @@ class FleetMetrics:
         self.state_writable.set(1)
         self.source_errors = Counter("azure_scheduled_events_source_errors_total",
                                      "Failed reads of a source, by source.", ["source"], registry=r)
+        # The families of a source or of the Lease exist only where it is configured (as those of a policy).
+        queue = self._feature(r, "queue" in sources)
         self.queue_messages = Counter("azure_scheduled_events_queue_messages_total",
                                       "Queue messages, by what became of them: received, deleted, poisoned "
-                                      "(moved to the poison queue), unreadable.", ["result"], registry=r)
+                                      "(moved to the poison queue), unreadable.", ["result"], registry=queue)
         self.duplicates = Counter("azure_scheduled_events_duplicates_total",
                                   "News dropped as a repeat: the same delivery, or nothing new.", registry=r)
         # Families of features that may be off, in their place but shown only once turned on (`policy_loaded`).
@@ -157,23 +159,25 @@ class FleetMetrics:
                                         "VMs of events with node actions that are no node of this cluster (left "
                                         "alone).", registry=self.nodes.families)
         self.undo_held = UndoHeld(self.nodes.families)
+        self.lease_families = self._feature(r, False)  # turned on by `lease_in_use`
         self.handed_over = Counter("azure_scheduled_events_handover_skipped_total",
                                    "Changes not announced because the previous active replica had announced them "
-                                   "(the Lease's handover).", registry=r)
+                                   "(the Lease's handover).", registry=self.lease_families)
         self.feed_lag = Gauge("azure_scheduled_events_feed_lag_seconds",
                               "From the Event Grid event's time to forewarn reading it, for the last one read.",
-                              registry=r)
+                              registry=queue)
         self.push_requests = Counter("azure_scheduled_events_eventgrid_push_requests_total",
                                      "Event Grid push requests, by result: accepted (committed), validated (a "
                                      "handshake), unauthorized, invalid, failed (not committed: retried).",
-                                     ["result"], registry=r)
+                                     ["result"], registry=self._feature(r, "eventgrid" in sources))
+        scoped = [name for name in SCOPED_SOURCES if name in sources]
         self.out_of_scope = Counter("azure_scheduled_events_out_of_scope_total",
                                     "Events from the queue or an Event Grid push outside this instance's scope "
                                     "(--subscription, --resource-group): not recorded, by source.", ["source"],
-                                    registry=r)
-        for name in SOURCES:
+                                    registry=self._feature(r, bool(scoped)))
+        for name in sources:
             self.source_errors.labels(name)
-        for name in SCOPED_SOURCES:
+        for name in scoped:
             self.out_of_scope.labels(name)
         for event_type in EVENT_TYPES:
             for result in ("approved", "dry_run", "failed"):
@@ -185,6 +189,13 @@ class FleetMetrics:
         r.register(_ViewCollector(self))
         r.register(CODECS)
         r.register(ProcessFamilies())
+
+    @staticmethod
+    def _feature(registry: Registry, on: bool) -> FeatureFamilies:
+        families = FeatureFamilies(registry)
+        if on:
+            families.turn_on()
+        return families
 
     # --- operations named for facts ----------------------------------------------------------------
     @property
@@ -235,6 +246,10 @@ class FleetMetrics:
         self.records.labels(name)
         self.record_failures.labels(name)
         self.backlog(name, Backlog(records=0, oldest_created=None))
+
+    def lease_in_use(self) -> None:
+        """Replicas share a Lease (--lease-name): the handover's family shows."""
+        self.lease_families.turn_on()
 
     def policy_loaded(self, hooks: bool, node_actions: bool) -> None:
         """A policy is in use: the approval (acknowledge) families show, and those of hooks and of node actions

@@ -436,6 +436,8 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
     sinks = build_sinks(settings.sink, settings)
     server = web_server(settings, web_gate(settings))
     elector = build_elector(settings)
+    if elector is not None:
+        metrics.lease_in_use()
     metrics.active = (lambda: elector.is_leader) if elector is not None else (lambda: True)
     sources_ready = readiness_check(metrics.last_success, settings.ready_window, what="read of a source")
 
