@@ -28,6 +28,9 @@ START_DELAY = 2.0
 #: run from a minute to hours, shared FLEET-FACTS.md section 1): a minute here, so Event Grid's push brings
 #: each change first and the snapshots confirm it, as fleet mode expects of the two feeds.
 RESOURCE_GRAPH_LAG = 60.0
+#: ... and at least this many wall seconds, however fast the scenario runs: a push takes milliseconds, so at any
+#: --speed the push still comes first (at --speed 300 a scenario minute is 0.2 s, which a busy machine can lose).
+RESOURCE_GRAPH_MIN_WALL_LAG = 2.0
 _ID_NAMESPACE = uuid.UUID("6f1b2c3d-4e5f-4a6b-9c7d-8e9f0a1b2c3d")
 
 
@@ -215,8 +218,8 @@ class FleetTimeline:
 
     def rows(self, subscriptions: Sequence[str], statuses: Sequence[str] | None) -> list[dict[str, Any]]:
         """The rows Resource Graph lists now in `subscriptions`, with one of `statuses` (None: any), by id:
-        each event as it was RESOURCE_GRAPH_LAG scenario seconds ago."""
-        now = self.now() - RESOURCE_GRAPH_LAG
+        each event as it was RESOURCE_GRAPH_LAG scenario seconds ago (RESOURCE_GRAPH_MIN_WALL_LAG at least)."""
+        now = self.now() - max(RESOURCE_GRAPH_LAG, RESOURCE_GRAPH_MIN_WALL_LAG * self.speed)
         wanted = {sub.lower() for sub in subscriptions}
         allowed = None if statuses is None else {status.lower() for status in statuses}
         rows = []
