@@ -40,7 +40,6 @@ from forewarn.metrics.exposition import NodeMetrics
 from forewarn.metrics.process import ProcessFamilies
 from forewarn.web.server import Request, Response, Stream
 
-SOURCES = ("resourcegraph", "queue", "eventgrid")
 PUSH_RESULTS = ("accepted", "validated", "unauthorized", "invalid", "failed")
 #: VMs whose per-VM series /metrics shows by default (--metrics-max-vms): about 40,000 series, 11 MB of text
 #: (0.4 MB gzip) per scrape, rendered in 0.3 s on one core (bench/fleet.py).
