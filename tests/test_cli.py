@@ -214,3 +214,134 @@ def test_one_shot_commands_read_the_same_options_and_variables_as_run(
     assert json.loads(capsys.readouterr().out)["DocumentIncarnation"] >= 0
     assert main(["events", "--imds-timeout", "nan"]) == 2
     assert "--imds-timeout" in capsys.readouterr().err
+
+
+# --- typos: unknown variables, abbreviations, unknown flags (#37) ------------------------------------------
+
+def environment_without_forewarn(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.upper().startswith("FOREWARN_")}, **extra}
+
+
+@pytest.mark.parametrize(("command", "variable", "nearest"), [
+    ("run", "FOREWARN_POLL_INTERVALL", "did you mean FOREWARN_POLL_INTERVAL, --poll-interval?"),
+    ("run", "forewarn_dry_run", "did you mean FOREWARN_DRY_RUN, --dry-run?"),
+    ("fleet", "FOREWARN_RECONCILE_INTERVALL", "did you mean FOREWARN_RECONCILE_INTERVAL, --reconcile-interval?"),
+    ("fleet", "FOREWARN_POLL_INTERVALL", "did you mean FOREWARN_POLL_INTERVAL, --poll-interval of forewarn run?"),
+])
+def test_an_unknown_variable_stops_run_and_fleet_naming_the_nearest_option(command: str, variable: str,
+                                                                            nearest: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "forewarn", command, "--simulate", "--listen-address",
+                             "127.0.0.1:0"], capture_output=True, text=True, timeout=30,
+                            env=environment_without_forewarn(**{variable: "5"}))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"forewarn {command}: error: unknown variable {variable} ({nearest})"), \
+        result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_variables_of_the_other_command_are_noted_and_forewarns_own_are_accepted() -> None:
+    from datetime import datetime, timezone
+
+    from forewarn.approval.hooks import hook_environment
+    from forewarn.config import check_environment
+    from forewarn.imds.instance import VmInfo
+
+    assert check_environment({"FOREWARN_SUBSCRIPTION": "x", "FOREWARN_SINK": "stdout", "PATH": "/bin"}, "run") == [
+        "FOREWARN_SUBSCRIPTION is an option of forewarn fleet (--subscription); forewarn run ignores it"]
+    assert check_environment({"FOREWARN_POLL_INTERVAL": "1", "FOREWARN_SIMULATE": "tour"}, "fleet") == [
+        "FOREWARN_POLL_INTERVAL is an option of forewarn run (--poll-interval); forewarn fleet ignores it"]
+    # a hook gets the event's FOREWARN_* variables, and may run forewarn: they are forewarn's, never an error
+    event = parse_document({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "E1", "EventType": "Reboot", "Resources": ["vm-0"], "EventStatus": "Scheduled",
+         "NotBefore": datetime.now(timezone.utc).strftime("%a, %d %b %Y %H:%M:%S GMT")}]}).events[0]
+    hook_variables = hook_environment("prepare", event, VmInfo(name="vm-0"), "rule")
+    for command in ("run", "fleet"):
+        assert check_environment({**hook_variables, "FOREWARN_CONFIG": "/etc/forewarn.yaml"}, command) == []
+    with pytest.raises(ConfigError, match=r"^unknown variables FOREWARN_DRY_RUNN \(did you mean FOREWARN_DRY_RUN, "
+                       r"--dry-run\?\); FOREWARN_XYZZY: "):
+        check_environment({"FOREWARN_XYZZY": "1", "FOREWARN_DRY_RUNN": "1"}, "run")
+
+
+def test_run_logs_a_variable_it_ignores_and_starts() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "run", "--simulate", "quiet", "--listen-address",
+                             "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=environment_without_forewarn(FOREWARN_QUEUE_URL="https://a.queue.core.windows.net/q"))
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "polling" in line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert any("WARNING" in line and line.rstrip().endswith(
+        "FOREWARN_QUEUE_URL is an option of forewarn fleet (--queue-url); forewarn run ignores it")
+        for line in lines), lines
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += all_parsers(sub)
+    return found
+
+
+def test_no_parser_takes_an_abbreviated_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.cli import parse_arguments
+
+    checked = 0
+    top = build_parser()
+    for parser in all_parsers(top):
+        words = parser.prog.split()[1:]
+        flags = {flag for action in parser._actions for flag in action.option_strings}
+        for flag in sorted(flags):
+            short = flag[:-1]
+            if not flag.startswith("--") or len(short) < 4 or short in flags:
+                continue
+            # a positional after it, for the commands that need one; not where it would be read as a command
+            value = [] if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) else ["x"]
+            with pytest.raises(SystemExit) as stopped:
+                parse_arguments(top, [*words, short, *value])
+            error = capsys.readouterr().err
+            assert stopped.value.code == 2 and f"error: unrecognized arguments: {short}" in error, (short, error)
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize(("argv", "usage", "hint"), [
+    (["run", "--polll-interval", "1"], "usage: forewarn run ", "did you mean --poll-interval?"),
+    (["run", "--simul", "tour", "--bogus"], "usage: forewarn run ", "did you mean --simulate?"),
+    (["fleet", "--reconcile-intervall=5"], "usage: forewarn fleet ", "did you mean --reconcile-interval?"),
+    (["fleet", "--poll-interval", "1"], "usage: forewarn fleet ", "--poll-interval is an option of forewarn run"),
+    (["policy", "check", "--flet", "p.yaml"], "usage: forewarn policy check ", "did you mean --fleet?"),
+    (["events", "--outptu", "json"], "usage: forewarn events ", "did you mean --output?"),
+    (["--bogus", "run"], "usage: forewarn [-h]", ""),
+])
+def test_an_unknown_flag_gets_its_commands_usage_and_nearest_flag(argv: list[str], usage: str, hint: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert error.startswith(usage), error
+    last = error.rstrip().splitlines()[-1]
+    assert last.endswith(f"; {hint}" if hint else "unrecognized arguments: --bogus"), last
+
+
+def test_dash_dash_version_prints_forewarns_version_and_version_says_more(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn import __version__
+    from forewarn.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out == f"forewarn {__version__}\n"
+    assert main(["version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["forewarn", "scheduled", "python"]

@@ -1,6 +1,6 @@
 """pyproject.toml's dependency ranges are true. scripts/test runs this file in both venvs: .venv with the
 newest releases, and .cache/venv-floor with every direct dependency at its floor (scripts/floors.py; scripts/test
-sets FOREWARN_FLOOR_VENV=1 there). docs/dependencies.md's table says the same as pyproject.toml."""
+sets TESTS_IN_FLOOR_VENV=1 there). docs/dependencies.md's table says the same as pyproject.toml."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from packaging.version import Version
 import forewarn
 
 ROOT = Path(__file__).parent.parent
-IN_FLOOR_VENV = os.environ.get("FOREWARN_FLOOR_VENV") == "1"
+IN_FLOOR_VENV = os.environ.get("TESTS_IN_FLOOR_VENV") == "1"
 
 
 def _floors_script() -> ModuleType:

@@ -7,8 +7,10 @@ traceback (exit 1).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import os
 import platform
 import sys
 import threading
@@ -26,6 +28,7 @@ from forewarn.config import (
     ConfigError,
     add_options,
     argument_type,
+    check_environment,
     listen_address,
     parse_listen_address,
     read_text_file,
@@ -44,9 +47,58 @@ SIMULATOR_LISTEN = "127.0.0.1:8169"
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated long options, on every parser and subparser: `--simul` is refused rather than read as
+    `--simulate`, so an abbreviation that works today cannot change its meaning when an option is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that an unrecognized argument is reported by the (sub)command it was given
+    to, with that command's usage and its nearest flag: argparse's subparsers hand unknown arguments up, and
+    the top-level parser printed its own usage for `forewarn run --polll-interval 1`."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(words)
+    if not extras:
+        return args
+    first = len(words) - 1 - words[::-1].index(extras[0])
+    owner, siblings, start = parser, [], 0
+    while True:
+        subcommands = next((action for action in owner._actions
+                            if isinstance(action, argparse._SubParsersAction)), None)
+        name = getattr(args, subcommands.dest, None) if subcommands is not None else None
+        if subcommands is None or name not in words[start:first]:
+            break
+        start = words.index(name, start) + 1
+        owner = subcommands.choices[name]
+        siblings = [other for other in subcommands.choices.values() if other is not owner]
+    hints = [hint for hint in (_flag_hint(owner, siblings, extra) for extra in extras) if hint]
+    owner.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {hint}" for hint in hints))
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """The documented long flags of `parser`."""
+    return [flag for action in parser._actions if action.help != argparse.SUPPRESS
+            for flag in action.option_strings if flag.startswith("--")]
+
+
+def _flag_hint(parser: argparse.ArgumentParser, siblings: Sequence[argparse.ArgumentParser], given: str) -> str:
+    """For an unrecognized `given` (a flag, perhaps with =VALUE): whose flag it is when another subcommand has it
+    (`fleet --poll-interval`), else "did you mean" the nearest flag of `parser`; "" when neither."""
+    if not given.startswith("--"):
+        return ""
+    flag = given.split("=", 1)[0]
+    owners = [other.prog for other in siblings if flag in _flags(other)]
+    if owners:
+        return f"{flag} is an option of {' and '.join(owners)}"
+    found = difflib.get_close_matches(flag, _flags(parser), n=1)
+    return f"did you mean {found[0]}?" if found else ""
 
 
 #: The options of `run` that the one-shot commands (events, approve, policy explain) take as well: the same
@@ -403,8 +455,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from forewarn.agent import run_agent
 
+    notes = check_environment(os.environ, "run")
     settings = resolve(args, RUN_OPTIONS)
     setup_logging(settings.log_format, settings.log_level)
+    for note in notes:
+        log.warning("%s", note)
     log.info("forewarn %s starting with %s", __version__,
              json.dumps({k: v for k, v in settings.redacted().items()}, sort_keys=True))
     return run_agent(settings)
@@ -419,14 +474,17 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         for name, scenario in FLEET_SCENARIOS.items():
             print(f"{name:24} {scenario.summary}")
         return 0
+    notes = check_environment(os.environ, "fleet")
     settings = resolve_fleet(args)
     setup_logging(settings.log_format, settings.log_level)
+    for note in notes:
+        log.warning("%s", note)
     return run_fleet(settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     handlers: dict[str, Any] = {
         "run": cmd_run,
         "fleet": cmd_fleet,

@@ -590,6 +590,61 @@ class FleetSettings(Settings):
     acknowledge_api_version: str = "2025-10-01-preview"
 
 
+#: The FOREWARN_* variables that name no option and are still forewarn's: the --config file, and the event
+#: variables a command hook gets (forewarn.approval.hooks; a hook may well run forewarn itself).
+OTHER_VARIABLES = ("FOREWARN_CONFIG", "FOREWARN_HOOK", "FOREWARN_RULE", "FOREWARN_EVENT_ID", "FOREWARN_EVENT_TYPE",
+                   "FOREWARN_EVENT_STATUS", "FOREWARN_EVENT_SOURCE", "FOREWARN_NOT_BEFORE", "FOREWARN_DURATION",
+                   "FOREWARN_RESOURCES", "FOREWARN_VM_NAME")
+
+
+def check_environment(environ: Mapping[str, str], command: str) -> list[str]:
+    """The FOREWARN_* variables of `environ` that `forewarn run` or `forewarn fleet` (`command`) will not read.
+
+    A variable no forewarn command reads is a ConfigError naming the nearest option: a misspelt one would
+    otherwise leave its option at the default without a word (FOREWARN_DRY_RUNN: a real drain instead of a
+    dry run), as an unknown key of --config is refused. An option of the other command is only a note for the
+    log (returned): one environment often serves both, as a shared env file or a chart's common values do.
+    """
+    own, other = ("run", "fleet") if command == "run" else ("fleet", "run")
+    tables = {"run": RUN_OPTIONS, "fleet": FLEET_OPTIONS}
+    mine = {option.env: option for option in tables[own]}
+    theirs = {option.env: option for option in tables[other] if option.env not in mine}
+    unknown: list[str] = []
+    notes: list[str] = []
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX) or name in mine or name in OTHER_VARIABLES:
+            continue
+        if name in theirs:
+            notes.append(f"{name} is an option of forewarn {other} (--{theirs[name].name}); forewarn {own} "
+                         "ignores it")
+            continue
+        unknown.append(name + _nearest_variable(name, own, mine, other, theirs))
+    if unknown:
+        raise ConfigError(f"unknown variable{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: a FOREWARN_ "
+                          "variable names an option of forewarn run or fleet (their --help), so a misspelt one is "
+                          "refused rather than ignored")
+    return notes
+
+
+def _nearest_variable(name: str, own: str, mine: Mapping[str, Option], other: str,
+                      theirs: Mapping[str, Option]) -> str:
+    """" (did you mean FOREWARN_X, --x?)" for the option whose variable is nearest to `name` (the command's own
+    on a tie), or "" when none is near."""
+    import difflib  # only on this error path
+
+    key = name.upper().removeprefix(ENV_PREFIX)
+    best: tuple[float, str, Option] | None = None
+    for command, options in ((own, mine), (other, theirs)):
+        for env, option in options.items():
+            score = difflib.SequenceMatcher(None, key, env.removeprefix(ENV_PREFIX)).ratio()
+            if score >= 0.6 and (best is None or score > best[0]):
+                best = (score, command, option)
+    if best is None:
+        return ""
+    _, command, option = best
+    return f" (did you mean {option.env}, --{option.name}{'' if command == own else f' of forewarn {command}'}?)"
+
+
 def safe_url(url: str) -> str:
     """A URL as `scheme://host[:port]/...`, for secrets that are whole URLs (webhooks): their path, query
     and user info often hold the token."""
