@@ -1,7 +1,7 @@
 # Conveniences; each target is one command from the README or docs/performance.md.
 PYTHON := .venv/bin/python
 
-.PHONY: setup test bench bench-quick
+.PHONY: setup test lint bench bench-quick
 
 setup:
 	test -x $(PYTHON) || python3 -m venv .venv
@@ -9,6 +9,12 @@ setup:
 
 test:
 	scripts/test
+
+# ruff, mypy, actionlint and zizmor without the tests (about 20 s the first time, 5 s after); scripts/test runs
+# the same script first. Sets up .venv when its test tools are missing.
+lint:
+	test -x .venv/bin/zizmor || $(MAKE) setup
+	scripts/lint
 
 # Every benchmark, then the tables for docs/performance.md (about 55 minutes on 2 cores).
 bench: setup

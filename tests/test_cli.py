@@ -345,3 +345,11 @@ def test_dash_dash_version_prints_forewarns_version_and_version_says_more(
     assert main(["version"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["forewarn", "scheduled", "python"]
+
+
+def test_the_readme_says_what_imds_max_backoff_help_says() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| `--imds-max-backoff SECONDS`"))
+    meaning = row.split("|")[3].strip().replace("`", "")
+    option = next(option for option in RUN_OPTIONS if option.name == "imds-max-backoff")
+    assert option.help_text.startswith(meaning), (meaning, option.help_text)

@@ -289,3 +289,14 @@ def test_the_families_of_a_source_or_the_lease_are_there_only_when_it_is_configu
     assert 'out_of_scope_total{source="eventgrid"} 0.0' in text and 'out_of_scope_total{source="queue"}' not in text
     pushed.lease_in_use()
     assert shown(pushed) == push | scoped | lease
+
+
+def test_the_node_families_help_speaks_of_the_fleets_nodes_not_of_this_node() -> None:
+    metrics = FleetMetrics(["resourcegraph"])
+    metrics.policy_loaded(hooks=False, node_actions=True)
+    helps = {line.split()[2]: line for line in metrics.render()[0].decode().splitlines()
+             if line.startswith("# HELP azure_scheduled_events_node_")}
+    assert {"azure_scheduled_events_node_drains_in_progress", "azure_scheduled_events_node_drain_pods_total",
+            "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds"} <= set(helps)
+    assert [line for line in helps.values() if "this node" in line or "this Kubernetes node" in line] == []
+    assert "nodes of the fleet's VMs" in helps["azure_scheduled_events_node_drains_in_progress"]

@@ -259,8 +259,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("poll-interval", "time between polls, decimals allowed", 1.0, POLL_INTERVAL, metavar="SECONDS"),
     Option("imds-timeout", "per-request timeout once IMDS has answered (the first request may take up "
            "to 120 s)", 2.0, REQUEST_TIMEOUT, metavar="SECONDS"),
-    Option("imds-max-backoff", "longest wait between polls while IMDS keeps failing", 10.0, BACKOFF,
-           metavar="SECONDS"),
+    Option("imds-max-backoff", "the longest Retry-After honoured while IMDS answers 429, 503 or another retryable "
+           "status; other failures are retried at the normal pace", 10.0, BACKOFF, metavar="SECONDS"),
     Option("imds-max-reply-bytes", "largest IMDS reply accepted; a longer one is an error and its connection "
            "is dropped", 4 * 1024 * 1024, Number(64 * 1024, 256 * 1024 * 1024, whole=True), metavar="BYTES"),
     Option("listen-address", "where /metrics, /healthz and /readyz are served: HOST:PORT, :PORT (all interfaces) "

@@ -153,7 +153,7 @@ class FleetMetrics:
         for hook in ("prepare", "recover"):
             for result in ("success", "failure", "timeout", "error"):
                 self.hook_runs.labels(hook, result)
-        self.nodes = NodeMetrics(r)
+        self.nodes = NodeMetrics(r, fleet=True)
         self.vms_without_node = Counter("azure_scheduled_events_fleet_vms_without_node_total",
                                         "VMs of events with node actions that are no node of this cluster (left "
                                         "alone).", registry=self.nodes.families)

@@ -165,26 +165,27 @@ class Metrics:
 
 class NodeMetrics:
     """The families of Kubernetes node actions, the same in both modes (the per-VM agent acts on its own node,
-    fleet mode on the nodes of the VMs its events hit)."""
+    fleet mode on the nodes of the VMs its events hit); their help says which (`fleet`)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, fleet: bool = False) -> None:
         #: Shown once a policy with node actions is in use (`families.turn_on()`).
         self.families = registry = FeatureFamilies(registry)
+        drains = "Drains of the nodes of the fleet's VMs in this cluster" if fleet else "Drains of this Kubernetes node"
         self.node_actions = Counter(
             "azure_scheduled_events_node_actions_total",
             "Kubernetes node actions carried out, by action and result.", ["action", "result"], registry=registry)
         self.node_drains = Gauge(
             "azure_scheduled_events_node_drains_in_progress",
-            "Drains of this Kubernetes node under way (0 or 1; sum over a cluster for the nodes draining).",
-            registry=registry)
+            f"{drains} under way " + ("(a sum over those nodes)." if fleet else
+                                      "(0 or 1; sum over a cluster for the nodes draining)."), registry=registry)
         self.node_drain_blocked_since = Gauge(
             "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
-            "Unix time since which a drain of this node has been blocked by a PodDisruptionBudget; 0 when none is.",
-            registry=registry)
+            "Unix time since which " + ("the longest-blocked drain of a node" if fleet else "a drain of this node")
+            + " has been blocked by a PodDisruptionBudget; 0 when none is.", registry=registry)
         self.node_drain_pods = Counter(
             "azure_scheduled_events_node_drain_pods_total",
-            "Pods removed by drains of this node: evicted (Eviction API) or deleted at the deadline (at_deadline: "
-            "delete).", ["outcome"], registry=registry)
+            f"Pods removed by {drains[0].lower() + drains[1:]}: evicted (Eviction API) or deleted at the deadline "
+            "(at_deadline: delete).", ["outcome"], registry=registry)
         for outcome in DRAIN_POD_OUTCOMES:
             self.node_drain_pods.labels(outcome)
         self.node_drain_records = Counter(
