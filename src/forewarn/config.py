@@ -330,7 +330,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "from spec.nodeName)", None, _node_name, metavar="NAME"),
     Option("kubeconfig", "kubeconfig file for node actions (default: the in-cluster service account, else "
            "KUBECONFIG or ~/.kube/config)", None, metavar="PATH"),
-    Option("outbox-max-records", "records kept for delivery before the oldest are dropped", 100_000,
+    Option("outbox-max-records", "records kept for delivery: beyond it run drops the oldest, fleet waits for the "
+           "sinks", 100_000,
            Number(100, 10_000_000, whole=True), metavar="N"),
     Option("ready-window", "/readyz fails when no poll succeeded for this long", 60.0,
            Number(1, 86_400, unit=SECONDS), metavar="SECONDS"),

@@ -1,0 +1,166 @@
+"""No record lost to the outbox's bound in fleet mode, end to end: `forewarn fleet` as its own process, Resource
+Graph through the strict TLS stand-in, a file sink and a webhook sink whose endpoint refuses every post for a
+while and then recovers, and an outbox bound well below the snapshot.
+
+The issue's case is 200,000 VMs with a sink that refuses for a minute (bench/fleet_outbox.py runs it); here the
+same mechanism at a size the test command can afford: 1,200 VMs (600 scale-set events of 2 VMs), a bound of 400
+records, a sink down for 4 s. The snapshot cannot go in at once: the outbox refuses what does not fit, the rest
+waits for the sinks, and every record reaches both sinks once, none dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet_samples import properties, target_id
+from forewarn.fleet.feed import parse_resource_graph_row
+from forewarn.fleet.metrics import FleetMetrics
+from forewarn.fleet.service import FleetCommitter
+from forewarn.outbox.outbox import Outbox, OutboxFull
+from forewarn.poller import OutboxMetrics
+from test_fleet_service import SUBS, Fleet, row
+
+from conftest import wait_until
+from peers.arm import ArmPeer
+from peers.pki import Authority
+
+EVENTS = 600
+VMS_PER_EVENT = 2
+BOUND = 400
+REFUSE_SECONDS = 4.0
+
+
+def scale_set_row(n: int) -> dict[str, Any]:
+    sub = SUBS[n % len(SUBS)]
+    event_id = str(uuid.UUID(int=80_000 + n))
+    target = target_id("vmss", f"ss-{n}", sub=sub, rg="rg-a")
+    props = properties(event_id=event_id, resources=tuple(f"ss-{n}_{i}" for i in range(VMS_PER_EVENT)))
+    return {"id": f"{target}/providers/Microsoft.Maintenance/scheduledevents/{event_id}", "name": event_id,
+            "subscriptionId": sub, "resourceGroup": "rg-a", "location": "westeurope", "properties": props}
+
+
+class Endpoint:
+    """A CloudEvents webhook endpoint on loopback: 503 to every post until `refuse_until` (monotonic; never, until
+    set), then 200, keeping the id of each event it accepted."""
+
+    def __init__(self) -> None:
+        self.refuse_until = float("inf")
+        self.accepted: list[str] = []
+        self.refused = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if time.monotonic() < endpoint.refuse_until:
+                    endpoint.refused += 1
+                    self.send_response(503)
+                else:
+                    assert self.headers["Content-Type"].startswith("application/cloudevents+json")
+                    endpoint.accepted.append(json.loads(body)["id"])
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    peer = Endpoint()
+    yield peer
+    peer.stop()
+
+
+def sample(text: str, family: str) -> float:
+    match = re.search(rf"^{family} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"{family} not in /metrics"
+    return float(match.group(1))
+
+
+def test_a_snapshot_larger_than_the_outbox_with_a_sink_down_reaches_every_sink_once(
+        tmp_path: Path, endpoint: Endpoint) -> None:
+    authority = Authority("fleet-outbox-test-ca")
+    arm = ArmPeer(authority, rows=[scale_set_row(n) for n in range(EVENTS)])
+    fleet = Fleet(tmp_path, arm, authority, None, None,
+                  extra=("--sink", "webhook", "--outbox-max-records", str(BOUND)),
+                  env={"FOREWARN_WEBHOOK_URL": endpoint.url})
+    try:
+        fleet.start()
+        endpoint.refuse_until = time.monotonic() + REFUSE_SECONDS
+        expected = {(f"ss-{n}_{i}", str(uuid.UUID(int=80_000 + n))) for n in range(EVENTS)
+                    for i in range(VMS_PER_EVENT)}
+        # While the endpoint refuses, the outbox fills to its bound and stops there: the sinks hold back news.
+        wait_until(lambda: sample(fleet.metrics() or "", "azure_scheduled_events_outbox_refused_commits_total") > 0,
+                   timeout=REFUSE_SECONDS + 10, message="the full outbox to refuse a commit")
+        assert endpoint.refused and not endpoint.accepted
+        assert len(fleet.records()) <= BOUND + 200  # nothing past the bound but a slice taken by an empty outbox
+        wait_until(lambda: len(endpoint.accepted) >= len(expected), timeout=60,
+                   message=f"every record at the webhook ({len(endpoint.accepted)} of {len(expected)})")
+        time.sleep(2)  # a repeat would come now
+        metrics = fleet.metrics() or ""
+        filed = fleet.records()
+    finally:
+        if fleet.proc is not None:
+            fleet.stop()
+        arm.stop()
+    assert sample(metrics, "azure_scheduled_events_outbox_dropped_records_total") == 0
+    assert sample(metrics, "azure_scheduled_events_outbox_capacity_records") == BOUND
+    assert sample(metrics, "azure_scheduled_events_outbox_stored_records") == 0
+    assert {(r["data"]["vm"]["name"], r["subject"]) for r in filed} == expected
+    assert {r["data"]["change"] for r in filed} == {"added"}
+    by_id = {r["id"]: r for r in filed}
+    assert Counter(r["id"] for r in filed).most_common(1)[0][1] == 1 and len(by_id) == len(expected)
+    assert Counter(endpoint.accepted).most_common(1)[0][1] == 1  # no record twice at the webhook
+    assert set(endpoint.accepted) == set(by_id)                  # the same records, by id, at both sinks
+
+
+def test_a_snapshot_the_full_outbox_cuts_short_keeps_what_fitted_ends_nothing_and_is_whole_after_the_next() -> None:
+    """In process, through FleetCommitter: 250 events on single VMs against a bound of 150 records. The first
+    slice of 100 fits, the second is refused: the first stands (saved, its records waiting), the rest is not
+    open, and the snapshot does not count as complete. News that fits still goes in. Once the sink took the
+    records the next snapshot brings exactly the rest, and every event has one record."""
+    metrics = FleetMetrics(["resourcegraph"])
+    outbox = Outbox(None, ["s"], max_records=150, observer=OutboxMetrics(metrics, metrics.outbox_refused),
+                    overflow="refuse")
+    committer = FleetCommitter(outbox, metrics)
+    events = [parse_resource_graph_row(row(SUBS[n % 3], n)) for n in range(250)]
+    try:
+        with pytest.raises(OutboxFull):
+            committer.snapshot(events, started_at=0.0, complete=True)
+        assert len(committer.view().open_events) == 100 and committer.complete_snapshots == 0
+        assert committer.outbox.stored == 100
+        # News that fits still goes in while the snapshot waits (a queue message, a push).
+        assert len(committer.news([events[-1]])) == 1 and committer.outbox.stored == 101
+        first = outbox.take("s", 1000)
+        outbox.ack("s", first.last)
+        changes = committer.snapshot(events, started_at=1.0, complete=True)
+        assert len(changes) == 149 and committer.complete_snapshots == 1
+        second = outbox.take("s", 1000)
+        subjects = Counter(record.subject for record in [*first.records, *second.records])
+        assert set(subjects) == {event.event_id for event in events} and set(subjects.values()) == {1}
+        text = metrics.render()[0].decode()
+        assert sample(text, "azure_scheduled_events_outbox_refused_commits_total") == 1
+        assert sample(text, "azure_scheduled_events_outbox_stored_records") == 149
+    finally:
+        outbox.close()
