@@ -7,13 +7,16 @@ import ssl
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import fleet_samples as samples
+from forewarn.fleet.feed import parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.resourcegraph import ResourceGraphClient
 from forewarn.fleet.service import FleetCommitter, ResourceGraphSource
 from forewarn.outbox.outbox import Outbox
+from forewarn.tracker import ChangeKind
 from test_fleet_resourcegraph import TOKEN, FixedToken
 
 from conftest import parse_metrics
@@ -61,3 +64,20 @@ def test_the_commit_of_a_snapshot_is_timed_beside_its_read(tmp_path: Path) -> No
     after_read = seen - last_page
     assert 0.5 * after_read <= found[COMMIT] <= after_read
     assert found[COMMIT] > found[READ] > 0
+
+
+def test_a_later_snapshot_holds_the_trackers_own_objects_for_what_did_not_change(tmp_path: Path) -> None:
+    committer = FleetCommitter(Outbox(tmp_path / "state", ["file"]), FleetMetrics(["resourcegraph"]))
+    rows = [samples.resource_graph_row(samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"vm-{n}"]),
+                                       samples.target_id("vm", f"vm-{n}")) for n in range(3)]
+    first = [committer.known(parse_resource_graph_row(row)) for row in rows]
+    assert len(committer.snapshot(first, 0.0, complete=True)) == 3
+    rows[1]["properties"] = {**rows[1]["properties"], "EventStatus": "Started", "NotBefore": ""}
+    second = [committer.known(parse_resource_graph_row(row)) for row in rows]
+    assert second[0] is first[0] and second[2] is first[2] and second[1] is not first[1]
+    (change,) = committer.snapshot(second, 1.0, complete=True)
+    assert change.kind is ChangeKind.UPDATED and change.event is second[1] and change.previous is first[1]
+    # an equal event from another feed is not the tracker's: its origin differs
+    pushed = replace(first[0], origin="eventgrid")
+    assert committer.known(pushed) is pushed
+    committer.outbox.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 
 import fleet_samples as samples
-from forewarn.fleet.armid import is_valid_name, parse_arm_id, vm_id
+from forewarn.fleet.armid import is_valid_name, parse_arm_id, scheduled_event_id, vm_id
 from forewarn.fleet.feed import EventVms, FleetEvent, parse_event_grid, parse_resource_graph_row, vm_ids
 from forewarn.fleet.records import change_records
 from forewarn.fleet.tracker import FleetChange, FleetTracker
@@ -132,8 +132,35 @@ def test_records_from_the_kept_parse_equal_those_from_a_fresh_parse_of_every_id(
                 replace(fleet_event, event=replace(fleet_event.event, status="Completed")), 2)]:
             kept = change_records(change, AT)
             assert [r.to_json() for r in kept] == [r.to_json() for r in freshly_parsed_records(change, AT)]
+            # the JSON put together from parts is the record's own data, as json.dumps writes it
+            assert all(r.stored_json == json.dumps(r.to_dict(), separators=(",", ":")) for r in kept)
             assert [r.source for r in kept] == list(vm_ids(change.event)) and kept
-            assert change.event.vms == EventVms.of(parse_arm_id(change.event.resource_id), change.event.event.resources)
+            target = parse_arm_id(change.event.resource_id)
+            assert change.event.vms == EventVms.of(target, change.event.event.resources,
+                                                   str(target) == change.event.resource_id)
         tracker = FleetTracker()
     bad = next(e for e in kept_and_fresh() if "bad?name" in e.event.resources)
     assert list(bad.vms.names) == ["Pool_0", "pool_1", "pool_2"] and bad.vms.scale_set == "Pool"
+
+
+def test_the_event_arm_id_and_key_from_the_kept_parse_are_those_of_a_fresh_one() -> None:
+    odd = samples.target_id("vmss", "Pool").replace("resourceGroups", "resourcegroups") + "/"
+    events = [*kept_and_fresh(), replace(kept_and_fresh()[0], resource_id=odd)]
+    assert [e.vms.normalized for e in events[-4:]] == [True, True, True, False]
+    for event in events:
+        assert event.arm_id == scheduled_event_id(event.resource_id, event.event_id)
+        assert event.key == (event.resource_id.lower(), event.event_id.lower())
+
+
+def test_record_ids_are_uuid5_of_the_name_as_uuid_makes_them() -> None:
+    import random
+    import uuid
+
+    from forewarn.records import _ID_NAMESPACE as namespace
+    rng = random.Random(38)
+    alphabet = "abcXYZ019_-./\n\u00e4\u4e2d\U0001f600"
+    for _ in range(2000):
+        parts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40))) for _ in range(3)]
+        incarnation = rng.randrange(0, 10**6)
+        expected = uuid.uuid5(namespace, f"{parts[0]}\n{parts[1]}\n{parts[2]}\n{incarnation}")
+        assert record_id(*parts, incarnation) == str(expected)

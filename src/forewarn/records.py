@@ -6,6 +6,7 @@ twice (after a restart or a retry) carries the same id and consumers can drop th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import json.scanner
 import uuid
@@ -44,6 +45,10 @@ def _loads(text: str) -> Any:
 
 
 _ID_NAMESPACE = uuid.UUID("5a4d5bd4-3f0e-4c55-9a3c-0f0e7a7f2f8e")
+#: SHA-1 of the namespace, copied for each id: uuid.uuid5's own steps, without its UUID object (a first fleet
+#: snapshot of 100,000 VMs makes 100,000 ids; uuid.uuid5 took a sixth of its commit). Held to uuid.uuid5 by
+#: tests/test_fleet_records.py.
+_ID_HASH = hashlib.sha1(_ID_NAMESPACE.bytes, usedforsecurity=False)
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,15 @@ def json_lines(records: Sequence[Record]) -> str:
 
 
 def record_id(vm_name: str, event_id: str, kind: str, incarnation: int) -> str:
-    return str(uuid.uuid5(_ID_NAMESPACE, f"{vm_name}\n{event_id}\n{kind}\n{incarnation}"))
+    """str(uuid.uuid5(namespace, "{vm_name}\\n{event_id}\\n{kind}\\n{incarnation}")): RFC 4122's version 5 from
+    the name's SHA-1, the version and variant bits set."""
+    digest = _ID_HASH.copy()
+    digest.update(f"{vm_name}\n{event_id}\n{kind}\n{incarnation}".encode())
+    raw = bytearray(digest.digest()[:16])
+    raw[6] = raw[6] & 0x0F | 0x50
+    raw[8] = raw[8] & 0x3F | 0x80
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def record_source(vm: VmInfo) -> str:

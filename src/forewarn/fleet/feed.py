@@ -32,6 +32,8 @@ from typing import Any, Literal, NamedTuple
 
 from forewarn.fleet.armid import (
     COMPUTE_NAMESPACE,
+    SCHEDULED_EVENTS_NAMESPACE,
+    SCHEDULED_EVENTS_TYPE,
     VIRTUAL_MACHINE_SCALE_SETS,
     VIRTUAL_MACHINES,
     ArmId,
@@ -75,13 +77,14 @@ class EventVms(NamedTuple):
     on_vm: bool                 # the target is a VM: it is the one VM
     scale_set: str              # the scale set's name for an event on one, else ""
     names: tuple[str, ...]      # the VMs' names, in the order of Resources (the target's name for a VM)
+    normalized: bool = False    # the event's resource_id is spelt as the parse writes it (str(target))
 
     @classmethod
-    def of(cls, target: ArmId, resources: tuple[str, ...]) -> EventVms:
+    def of(cls, target: ArmId, resources: tuple[str, ...], normalized: bool = False) -> EventVms:
         if target.is_type(COMPUTE_NAMESPACE, VIRTUAL_MACHINES):
-            return cls(True, "", (target.name,))
+            return cls(True, "", (target.name,), normalized)
         scale_set = target.name if target.is_type(COMPUTE_NAMESPACE, VIRTUAL_MACHINE_SCALE_SETS) else ""
-        return cls(False, scale_set, tuple(name for name in resources if is_valid_name(name)))
+        return cls(False, scale_set, tuple(name for name in resources if is_valid_name(name)), normalized)
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,23 @@ class FleetEvent:
 
     @property
     def arm_id(self) -> str:
-        """The event's own ARM ID: where the central acknowledge call is sent."""
-        return scheduled_event_id(self.resource_id, self.event.event_id)
+        """The event's own ARM ID: where the central acknowledge call is sent (and what the saved state keeps)."""
+        event_id = self.event.event_id
+        if self.vms.normalized and is_valid_name(event_id):  # what scheduled_event_id writes, without a parse
+            return f"{self.resource_id}/providers/{SCHEDULED_EVENTS_NAMESPACE}/{SCHEDULED_EVENTS_TYPE}/{event_id}"
+        return scheduled_event_id(self.resource_id, event_id)
 
     @cached_property
     def vms(self) -> EventVms:
         """The VMs it acts on, from `resource_id` parsed once (the feed parsers hand over their own parse)."""
-        return EventVms.of(parse_arm_id(self.resource_id), self.event.resources)
+        target = parse_arm_id(self.resource_id)
+        return EventVms.of(target, self.event.resources, normalized=str(target) == self.resource_id)
+
+    @cached_property
+    def key(self) -> tuple[str, str]:
+        """(target resource, EventId) in lower case, as tracker.event_key compares events; made once per event,
+        since the tracker and the metrics both keep it for every open one."""
+        return self.resource_id.lower(), self.event.event_id.lower()
 
 
 @dataclass(frozen=True)
@@ -380,7 +393,7 @@ def _fleet_event(arm_id: str, arm_where: str, properties: Mapping[str, Any], whe
         event=event, origin=origin, event_time=event_time, delivery_id=delivery_id, location=location,
         warnings=capped(mine),
     )
-    fleet_event.__dict__["vms"] = EventVms.of(target, event.resources)  # the parse above, kept (cached_property)
+    fleet_event.__dict__["vms"] = EventVms.of(target, event.resources, True)  # the parse above, kept
     return fleet_event
 
 

@@ -12,6 +12,7 @@ subscription), `affects_this_vm` true. What differs, and why:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -20,7 +21,7 @@ from forewarn.fleet.armid import parse_arm_id
 from forewarn.fleet.feed import FleetEvent, vm_ids
 from forewarn.fleet.tracker import FleetChange
 from forewarn.imds.instance import VmInfo
-from forewarn.records import TYPE_PREFIX, Record, record_id, rfc3339
+from forewarn.records import CONTENT_TYPE, SPEC_VERSION, TYPE_PREFIX, Record, record_id, rfc3339
 from forewarn.tracker import ChangeKind
 
 #: data.incarnation of fleet records (the central feeds have none).
@@ -34,28 +35,36 @@ def fleet_vm(event: FleetEvent, vm_resource_id: str) -> VmInfo:
                   subscription_id=event.subscription_id, location=event.location or "")
 
 
+def _vm_common(event: FleetEvent) -> dict[str, str]:
+    """The `data.vm` fields every VM of the event shares, in VmInfo's order, empty ones left out (as known())."""
+    return {key: value for key, value in (("vm_scale_set", event.vms.scale_set),
+                                          ("resource_group", event.resource_group),
+                                          ("subscription_id", event.subscription_id),
+                                          ("location", event.location or "")) if value}
+
+
 def fleet_vms(event: FleetEvent) -> Iterator[tuple[str, dict[str, str]]]:
     """Each VM the event acts on: its ARM ID and `data.vm` (what `fleet_vm(...).known()` gives), from the event's
     parse kept in `event.vms`, no ARM ID parsed again."""
-    common = {key: value for key, value in (("vm_scale_set", event.vms.scale_set),
-                                            ("resource_group", event.resource_group),
-                                            ("subscription_id", event.subscription_id),
-                                            ("location", event.location or "")) if value}
+    common = _vm_common(event)
     for name, vm_resource_id in zip(event.vms.names, vm_ids(event), strict=True):
         yield vm_resource_id, {"name": name, "resource_id": vm_resource_id, **common}
 
 
+#: json.dumps(value, separators=(",", ":")) without making an encoder for each call.
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def change_records(change: FleetChange, observed_at: datetime) -> list[Record]:
-    """The records of one fleet change, one per VM the event acts on, in the order of its Resources. What the
-    VMs share (the event's fields, the times, the type) is built once per change."""
+    """The records of one fleet change, one per VM the event acts on, in the order of its Resources.
+
+    What the VMs share (the event's fields, the times, the type, their JSON) is built once per change, and each
+    record's JSON is put together from those parts and its VM's (`Record.stored_json`, which the outbox stores):
+    the text json.dumps(record.to_dict()) gives (tests/test_fleet_records.py holds the two equal), without
+    encoding the event again for each of a scale set's VMs."""
     kind = str(change.kind)
     event = change.event.event
-    shared: dict[str, Any] = {
-        "change": kind,
-        "incarnation": FLEET_INCARNATION,
-        "event": dict(event.raw),  # one copy for all the change's records: records are never changed
-        "affects_this_vm": True,
-    }
+    raw = dict(event.raw)  # one copy for all the change's records: records are never changed
     not_before = rfc3339(event.not_before) if event.not_before else None
     extra: dict[str, Any] = {"feed": change.event.origin}
     if change.kind in (ChangeKind.UPDATED, ChangeKind.REMOVED) and change.previous is not None:
@@ -65,14 +74,28 @@ def change_records(change: FleetChange, observed_at: datetime) -> list[Record]:
         extra["ended_by"] = str(change.ended_by)
     record_type, subject, time = f"{TYPE_PREFIX}.{kind}", event.event_id, rfc3339(observed_at)
     event_id, fingerprint = event.event_id.lower(), change.fingerprint
+    common = _vm_common(change.event)
+    # to_dict()'s order: specversion, id, source, type, subject, time, datacontenttype, data{change, incarnation,
+    # event, affects_this_vm, vm{name, resource_id, ...common}, not_before, ...extra}
+    middle = (f',"type":{_json(record_type)},"subject":{_json(subject)},"time":{_json(time)},'
+              f'"datacontenttype":{_json(CONTENT_TYPE)},"data":{{"change":{_json(kind)},'
+              f'"incarnation":{_json(FLEET_INCARNATION)},"event":{_json(raw)},"affects_this_vm":true,"vm":{{"name":')
+    vm_tail = "".join(f",{_json(key)}:{_json(value)}" for key, value in common.items())
+    tail = f'}},"not_before":{_json(not_before)}' + "".join(f",{_json(key)}:{_json(value)}"
+                                                            for key, value in extra.items()) + "}}"
+    head = f'{{"specversion":{_json(SPEC_VERSION)},"id":'
     records = []
-    for vm_resource_id, vm in fleet_vms(change.event):
+    for name, vm_resource_id in zip(change.event.vms.names, vm_ids(change.event), strict=True):
+        rid = record_id(vm_resource_id.lower(), event_id, fingerprint, FLEET_INCARNATION)
+        source = _json(vm_resource_id)
         records.append(Record(
-            id=record_id(vm_resource_id.lower(), event_id, fingerprint, FLEET_INCARNATION),
+            id=rid,
             source=vm_resource_id,
             type=record_type,
             subject=subject,
             time=time,
-            data={**shared, "vm": vm, "not_before": not_before, **extra},
+            data={"change": kind, "incarnation": FLEET_INCARNATION, "event": raw, "affects_this_vm": True,
+                  "vm": {"name": name, "resource_id": vm_resource_id, **common}, "not_before": not_before, **extra},
+            stored_json=f'{head}"{rid}","source":{source}{middle}{_json(name)},"resource_id":{source}{vm_tail}{tail}',
         ))
     return records

@@ -39,7 +39,7 @@ from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_records
 from forewarn.fleet.scope import FleetScope, ScopeGate
 from forewarn.fleet.state import PREFIX, changed_state, load
-from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView
+from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView, event_key
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox, OutboxFull, StoreError
@@ -126,6 +126,14 @@ class FleetCommitter:
             tracker = self.tracker
             return FleetView(tuple(tracker.open_events), self.complete_snapshots, self.snapshots_expected,
                              tracker.has_ended, tracker.was_listed)
+
+    def known(self, event: FleetEvent) -> FleetEvent:
+        """The tracker's own object for an open event equal to `event`, else `event`. A snapshot lists mostly what
+        the tracker holds already: with this, it keeps one page of new objects at a time instead of a second copy of
+        the fleet (about 25 MiB at 20,000 events). Read without the lock: equal events stand for each other, so an
+        answer that is a moment old is as good."""
+        held = self.tracker.open_event(event_key(event))
+        return held if held is not None and held == event else event
 
     def news(self, events: Sequence[FleetEvent]) -> list[FleetChange]:
         """Events from a push or a queue message; returns once their changes are committed (or raises)."""
@@ -266,7 +274,7 @@ class ResourceGraphSource:
         def event_of(row: dict[str, Any]) -> FleetEvent | None:
             """A row as its event as soon as its page is read (the page is dropped before the next one)."""
             try:
-                return parse_resource_graph_row(row)
+                return self.committer.known(parse_resource_graph_row(row))
             except FeedError as exc:
                 reason = str(exc)[:200]
                 if reason not in unreadable and len(unreadable) < 1000:

@@ -57,7 +57,7 @@ class EndedBy(str, Enum):
 
 def event_key(event: FleetEvent) -> tuple[str, str]:
     """(target resource, EventId) without regard to case: ARM IDs and GUIDs compare case-insensitively."""
-    return event.resource_id.lower(), event.event_id.lower()
+    return event.key
 
 
 def fingerprint(event: FleetEvent) -> str:
@@ -185,7 +185,7 @@ class FleetTracker:
             return [FleetChange(ChangeKind.REMOVED, event, previous, final, EndedBy.STATUS)]
         state.missing = 0
         state.updated_at = now
-        if fingerprint(event) == fingerprint(previous):
+        if event is previous or fingerprint(event) == fingerprint(previous):  # `is`: FleetCommitter.known
             return []
         state.event = event
         return [FleetChange(ChangeKind.UPDATED, event, previous)]
@@ -221,6 +221,11 @@ class FleetTracker:
                 changes.append(FleetChange(ChangeKind.REMOVED, last, last, removal_outcome(last.event),
                                            EndedBy.MISSING))
         return changes
+
+    def open_event(self, key: tuple[str, str]) -> FleetEvent | None:
+        """The open event of this key (event_key), as the tracker holds it."""
+        state = self._open.get(key)
+        return state.event if state is not None else None
 
     def was_listed(self, key: tuple[str, str]) -> bool:
         """Whether the open event `key` (event_key) was listed by a Resource Graph snapshot."""
