@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
-from fleet_samples import properties, target_id
+from fleet_samples import event_grid_event, properties, target_id
 from forewarn.fleet.feed import parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.service import FleetCommitter
 from forewarn.outbox.outbox import Outbox, OutboxFull
 from forewarn.poller import OutboxMetrics
-from test_fleet_service import SUBS, Fleet, row
+from test_fleet_queue import Azurite, count, require_azurite
+from test_fleet_service import PUSH_SECRET, SUBS, Fleet, row
 
 from conftest import wait_until
 from peers.arm import ArmPeer
@@ -164,3 +166,54 @@ def test_a_snapshot_the_full_outbox_cuts_short_keeps_what_fitted_ends_nothing_an
         assert sample(text, "azure_scheduled_events_outbox_stored_records") == 149
     finally:
         outbox.close()
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    peer = Azurite(require_azurite(), tmp_path_factory.mktemp("azurite"))
+    yield peer
+    peer.stop()
+
+
+def grid_on_scale_set(n: int, delivery: str) -> dict[str, Any]:
+    sub = SUBS[n % len(SUBS)]
+    props = properties(event_id=str(uuid.UUID(int=90_000 + n)), resources=tuple(f"qs-{n}_{i}" for i in range(10)))
+    return event_grid_event(props, target_id("vmss", f"qs-{n}", sub=sub, rg="rg-a"), delivery)
+
+
+def test_queue_messages_and_pushes_the_full_outbox_refuses_come_back_and_reach_the_sinks_once(
+        tmp_path: Path, endpoint: Endpoint, azurite: Azurite) -> None:
+    """Queue and push, no Resource Graph: 60 queue messages of scale-set events (10 VMs each) against a bound
+    of 100 records while the webhook refuses. The first receive fills the outbox; the next is refused and its
+    messages stay in the queue; a push is answered 503 (Event Grid retries that). Once the webhook recovers the
+    queue empties, the push's retry is taken, and each of the 610 records reaches both sinks once."""
+    queue = azurite.queue()
+    for n in range(60):
+        queue.send_message(json.dumps(grid_on_scale_set(n, f"q-{n}")))
+    fleet = Fleet(tmp_path, None, Authority("fleet-outbox-queue-ca"), azurite, queue.queue_name,
+                  extra=("--sink", "webhook", "--outbox-max-records", "100", "--eventgrid-path", "/eventgrid"),
+                  env={"FOREWARN_WEBHOOK_URL": endpoint.url, "FOREWARN_EVENTGRID_SECRET": PUSH_SECRET})
+    push = [grid_on_scale_set(60, "p-60")]
+    try:
+        fleet.start()
+        wait_until(lambda: sample(fleet.metrics() or "", "azure_scheduled_events_outbox_refused_commits_total") > 0,
+                   timeout=30, message="the full outbox to refuse a receive")
+        url = f"http://127.0.0.1:{fleet.port}/eventgrid"
+        assert requests.post(url, params={"code": PUSH_SECRET}, json=push, timeout=10).status_code == 503
+        assert count(queue) > 0 and not endpoint.accepted
+        endpoint.refuse_until = time.monotonic()
+        wait_until(lambda: count(queue) == 0 and len(endpoint.accepted) >= 600, timeout=60,
+                   message=f"the queue empty and its records at the webhook ({len(endpoint.accepted)} of 600)")
+        assert requests.post(url, params={"code": PUSH_SECRET}, json=push, timeout=10).status_code == 200
+        wait_until(lambda: len(endpoint.accepted) >= 610, timeout=30, message="the push's records at the webhook")
+        time.sleep(2)  # a repeat would come now
+        metrics = fleet.metrics() or ""
+        filed = fleet.records()
+    finally:
+        if fleet.proc is not None:
+            fleet.stop()
+    assert sample(metrics, "azure_scheduled_events_outbox_dropped_records_total") == 0
+    expected = {(f"qs-{n}_{i}", str(uuid.UUID(int=90_000 + n))) for n in range(61) for i in range(10)}
+    assert {(r["data"]["vm"]["name"], r["subject"]) for r in filed} == expected
+    assert len(filed) == len({r["id"] for r in filed}) == len(expected)
+    assert sorted(endpoint.accepted) == sorted(r["id"] for r in filed)

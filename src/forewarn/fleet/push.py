@@ -33,7 +33,8 @@ limit, this route owns what Event Grid asks of a webhook endpoint:
   413 are not retried (the event is dead-lettered when the subscription has a dead-letter destination,
   otherwise dropped); everything else, 503 included, is retried on its schedule (10 s, 30 s, 1 min, 5 min,
   ... up to 24 h). So a body that cannot be read is 400 (retrying cannot fix it), a failed commit is 503
-  (retrying can). Event Grid waits 30 s for an answer; a commit that takes longer is retried, and the
+  (retrying can), and so is a delivery a full outbox refuses (docs/fleet.md, "A full outbox"). Event Grid
+  waits 30 s for an answer; a commit that takes longer is retried, and the
   tracker drops the repeat by its Event Grid id.
 
 Bounds: the body (`max_body_bytes`, refused with 413 by the server from the Content-Length alone, before
@@ -61,6 +62,7 @@ from typing import Any, Literal
 from forewarn.fleet.feed import DEFAULT_MAX_MESSAGE_BYTES, FeedError, FleetEvent, parse_event_grid
 from forewarn.imds.document import shown
 from forewarn.imds.reply import ReplyError, decode_reply
+from forewarn.outbox.store import OutboxFull
 from forewarn.web.server import HttpServer, Request, Response
 
 log = logging.getLogger(__name__)
@@ -249,6 +251,9 @@ def add_eventgrid_route(server: HttpServer, path: str = DEFAULT_PATH, *, secret:
                 return ended("failed", _text(503, "busy; retry later"))
             try:
                 accept(result.events)
+            except OutboxFull as exc:
+                log.warning("Event Grid push on %s: %s; answering 503, Event Grid retries", request.path, exc)
+                return ended("failed", _text(503, "outbox full; retry later"))
             except Exception:
                 log.exception("Event Grid push on %s: cannot commit %d event(s); answering 503, Event Grid "
                               "retries", request.path, len(result.events))

@@ -106,7 +106,7 @@ class FleetCommitter:
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
-    def _restore(self) -> FleetTracker:
+    def _restore(self, at_start: bool = True) -> FleetTracker:
         """The tracker as last committed (at start, and after a commit that failed)."""
         try:
             rows = self.outbox.load_states(PREFIX)
@@ -114,7 +114,7 @@ class FleetCommitter:
             log.error("cannot read the saved fleet state (%s); starting without it", exc)
             return FleetTracker()
         tracker = load(rows, now=self.clock())
-        if rows:
+        if rows and at_start:
             log.info("resuming from saved state: %d open event(s), %d ended remembered",
                      len(tracker.open_events), len(tracker.ended_keys))
         return tracker
@@ -171,9 +171,7 @@ class FleetCommitter:
     def _check_room(self) -> None:
         """OutboxFull at once while the outbox is full: news applied to the tracker only to be refused by the
         outbox would cost a reload of the saved state to undo (docs/fleet.md, "A full outbox")."""
-        outbox = self.outbox
-        if outbox.overflow == "refuse" and outbox.stored >= outbox.max_records:
-            raise OutboxFull(outbox.stored, 1, outbox.max_records)
+        self.outbox.refuse_if_full()
 
     # --- the Lease's handover (forewarn.fleet.handover) ---------------------------------------------------
     def inherit(self, annotation: str | None) -> None:
@@ -218,7 +216,7 @@ class FleetCommitter:
                 # the same news, delivered again (the queue message was not deleted, the next snapshot lists it),
                 # is a change again and is not lost. The slices before this one stand: their listeners, log
                 # lines and counts are due all the same (an ended event's node actions are undone).
-                self.tracker = self._restore()
+                self.tracker = self._restore(at_start=False)
                 self._committed(changes[:start], self.clock())
                 raise
             if known:

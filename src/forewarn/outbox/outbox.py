@@ -166,6 +166,14 @@ class Outbox:
         self.wake()
         return dropped
 
+    def refuse_if_full(self) -> None:
+        """Raise OutboxFull (and count it as a refused commit) when this outbox refuses and is full: for a caller
+        that would rather not prepare records that an append would refuse anyway."""
+        stored = self._stored
+        if self.overflow == "refuse" and stored >= self.max_records:
+            self._observer.commit_refused()
+            raise OutboxFull(stored, 1, self.max_records)
+
     @property
     def stored(self) -> int:
         """The records held for every sink together, as the last append or acknowledgement left them."""
