@@ -100,6 +100,7 @@ def sample(text: str, family: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 def test_a_snapshot_larger_than_the_outbox_with_a_sink_down_reaches_every_sink_once(
         tmp_path: Path, endpoint: Endpoint) -> None:
     authority = Authority("fleet-outbox-test-ca")
@@ -181,6 +182,7 @@ def grid_on_scale_set(n: int, delivery: str) -> dict[str, Any]:
     return event_grid_event(props, target_id("vmss", f"qs-{n}", sub=sub, rg="rg-a"), delivery)
 
 
+@pytest.mark.slow
 def test_queue_messages_and_pushes_the_full_outbox_refuses_come_back_and_reach_the_sinks_once(
         tmp_path: Path, endpoint: Endpoint, azurite: Azurite) -> None:
     """Queue and push, no Resource Graph: 60 queue messages of scale-set events (10 VMs each) against a bound

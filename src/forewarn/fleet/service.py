@@ -310,7 +310,11 @@ class ResourceGraphSource:
             except OutboxFull as exc:
                 # What fitted is committed; the rest is news again in the next snapshot, taken once the sinks
                 # have made room for it. Not counted complete, so no event is ended by its absence from it.
+                # Resource Graph itself answered: the source stays up (and /readyz ready); the alert on the
+                # outbox tells the operator.
                 del events
+                state.ok()
+                self.metrics.source_succeeded("resourcegraph", time.time())
                 wait_for_room(self.committer.outbox, exc, stop, "the rest of this Resource Graph snapshot")
                 continue
             except Exception:
