@@ -29,9 +29,17 @@ tails every 5 ms.
   because Azurite slows as its queue deepens (its scans are O(n)): the rate and the CPU per message of both
   processes (Azurite's share includes the sends, whose cost the preload measures alone).
 
-    python bench/fleet.py [--quick]
+- sizes (`--vms N [N ...]`, only this): the first snapshot at each size, `--runs` times (3; sizes interleaved,
+  the median reported), 5 VMs per scale-set event in 50 subscriptions, Resource Graph only, default options unless
+  `--metrics-max-vms` is given: the service's Resource Graph read (its reconcile duration metric) and the bare paging
+  read of the same pages as floors; first query to the last record in the file; the service's CPU from the first
+  query to the last record; RSS before and after the first scrape; the first scrape's time and body (gzip as sent,
+  and inflated); then scrapes back to back for 30 s while reconciles every 10 s overlap them, RSS and VmHWM after.
 
-Results are printed and written to bench/results/fleet.json.
+    python bench/fleet.py [--quick]
+    python bench/fleet.py --vms 10000 50000 100000 [--runs 3] [--metrics-max-vms N]
+
+Results are printed and written to bench/results/fleet.json (sizes: bench/results/fleet-sizes.json).
 """
 
 from __future__ import annotations
@@ -268,8 +276,9 @@ class Tail:
 class Fleet:
     """`forewarn fleet` as its own process, with a file sink and its metrics on a loopback port."""
 
-    def __init__(self, tmp: Path, arm: ArmPeer | None, authority: Authority, azurite: Azurite, queue_name: str,
-                 subscriptions: list[str], reconcile_interval: float) -> None:
+    def __init__(self, tmp: Path, arm: ArmPeer | None, authority: Authority, azurite: Azurite | None,
+                 queue_name: str, subscriptions: list[str], reconcile_interval: float,
+                 options: tuple[str, ...] = (), on_start: Callable[[int], None] = lambda pid: None) -> None:
         bundle = tmp / "ca.pem"
         bundle.write_bytes(authority.pem)
         self.records_file = tmp / "records.jsonl"
@@ -277,10 +286,12 @@ class Fleet:
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.log = tmp / "fleet.log"
         argv = service_argv("fleet", *[arg for sub in subscriptions for arg in ("--subscription", sub)],
-                            "--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue_name}",
                             "--sink", f"file:{self.records_file}", "--state-dir", str(tmp / "state"),
-                            "--listen-address", f"127.0.0.1:{self.port}", "--log-level", "warning")
-        env = service_env(FOREWARN_QUEUE_CONNECTION_STRING=azurite.connection_string, REQUESTS_CA_BUNDLE=str(bundle))
+                            "--listen-address", f"127.0.0.1:{self.port}", "--log-level", "warning", *options)
+        env = service_env(REQUESTS_CA_BUNDLE=str(bundle))
+        if azurite is not None:  # no queue: the snapshot sizes (Resource Graph only)
+            argv += ["--queue-url", f"http://127.0.0.1:{azurite.port}/devstoreaccount1/{queue_name}"]
+            env["FOREWARN_QUEUE_CONNECTION_STRING"] = azurite.connection_string
         if arm is not None:
             argv += ["--arm-endpoint", arm.base, "--arm-client-id", CLIENT_ID,
                      "--reconcile-interval", str(reconcile_interval)]
@@ -289,6 +300,7 @@ class Fleet:
         self.started = time.time()
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        on_start(self.proc.pid)
         self.session = requests.Session()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -619,6 +631,138 @@ def snapshot_and_stream(tmp: Path, authority: Authority, azurite: Azurite, args:
     print("metrics floor:", out["metrics"]["floor"], flush=True)
 
 
+# --- the snapshot at several sizes (--vms) -------------------------------------------------------------------
+
+METRICS_COMMIT = "azure_scheduled_events_reconcile_commit_duration_seconds"
+
+
+class CpuAtFirstQuery:
+    """The service's CPU seconds when the first Resource Graph query reaches the stand-in (read every 2 ms
+    from the process's start): what the service spent before its snapshot began."""
+
+    def __init__(self, arm: ArmPeer) -> None:
+        self.arm = arm
+        self.cpu: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, pid: int) -> None:
+        def watch() -> None:
+            deadline = time.monotonic() + 120
+            last = 0.0
+            while time.monotonic() < deadline:
+                with self.arm.received.lock:
+                    queried = bool(self.arm.received.times)
+                if queried:
+                    self.cpu = last
+                    return
+                try:
+                    last = proc_cpu(pid)
+                except OSError:
+                    return
+                time.sleep(0.002)
+
+        self._thread = threading.Thread(target=watch, name="cpu-at-first-query", daemon=True)
+        self._thread.start()
+
+
+def sample_count(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def snapshot_at_size(tmp: Path, authority: Authority, vms: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run at `vms` VMs (scale-set events of VMS_PER_EVENT VMs over SUBSCRIPTIONS subscriptions): the first
+    snapshot's cost beside the Resource Graph read of the same run, the first scrape, and the memory while
+    scrapes go on and at least one further reconcile overlaps them."""
+    events = vms // VMS_PER_EVENT
+    subs = [subscription(n) for n in range(SUBSCRIPTIONS)]
+    rows = snapshot_rows(SUBSCRIPTIONS, events, VMS_PER_EVENT)
+    arm = ArmPeer(authority, rows=rows)
+    cpu = CpuAtFirstQuery(arm)
+    tmp.mkdir()
+    options = ("--metrics-max-vms", str(args.metrics_max_vms)) if args.metrics_max_vms is not None else ()
+    fleet = Fleet(tmp, arm, authority, None, "", subs, args.size_reconcile_interval, options, on_start=cpu.start)
+    out: dict[str, Any] = {"vms": vms, "events": events, "subscriptions": SUBSCRIPTIONS,
+                           "load_average_at_start": os.getloadavg()}
+    try:
+        last = fleet.tail.wait_for(vms, timeout=120 + vms / 500)
+        cpu_end = proc_cpu(fleet.pid)
+        if last is None:
+            raise RuntimeError(f"only {len(fleet.tail.lines)} of {vms} records")
+        with arm.received.lock:
+            first_query = arm.received.times[0]
+        first_query_wall = time.time() - (time.monotonic() - first_query)
+        out["first_query_to_last_record_s"] = round(last - first_query_wall, 3)
+        out["service_cpu_snapshot_s"] = round(cpu_end - cpu.cpu, 2) if cpu.cpu is not None else None
+        time.sleep(args.settle)
+        out["rss_before_scrape_mib"] = round(rss_mib(fleet.pid), 1)
+        # the first scrape that renders the open events: as Prometheus asks (gzip)
+        session = requests.Session()
+        started = time.perf_counter()
+        response = session.get(fleet.url, timeout=120)
+        text = response.text
+        out["first_scrape_s"] = round(time.perf_counter() - started, 3)
+        out["metrics_bytes_gzip"] = int(response.headers.get("Content-Length", 0))
+        out["metrics_bytes_plain"] = len(response.content)
+        out["metrics_samples"] = sample_count(text)
+        out["reconcile_metric_s"] = fleet.metric(RECONCILE_METRIC, text)
+        out["reconcile_commit_metric_s"] = fleet.metric(METRICS_COMMIT, text)
+        out["per_vm_left_out_vms"] = next((float(line.split()[-1]) for line in text.splitlines()
+                                           if line.startswith('azure_scheduled_events_per_vm_left_out{unit="vms"}')),
+                                          None)
+        del text, response
+        out["rss_after_first_scrape_mib"] = round(rss_mib(fleet.pid), 1)
+        out["hwm_after_first_scrape_mib"] = round(peak_rss_mib(fleet.pid), 1)
+        # scrapes back to back while the next reconciles run
+        values, scrapes, deadline = {out["reconcile_metric_s"]}, 0, time.monotonic() + args.size_scrape_seconds
+        while time.monotonic() < deadline:
+            body = session.get(fleet.url, timeout=120).text
+            values.add(fleet.metric(RECONCILE_METRIC, body))
+            scrapes += 1
+            del body
+        out["scrapes_after_first"] = scrapes
+        out["reconciles_during_scrapes"] = len(values) - 1
+        out["rss_after_scrapes_mib"] = round(rss_mib(fleet.pid), 1)
+        out["hwm_mib"] = round(peak_rss_mib(fleet.pid), 1)
+        out["ratio_to_read"] = round(out["first_query_to_last_record_s"] / out["reconcile_metric_s"], 2) \
+            if out["reconcile_metric_s"] else None
+    finally:
+        out["exit_code"] = fleet.stop()
+        arm.stop()
+    arm = ArmPeer(authority, rows=rows)
+    try:
+        out["paging_floor"] = paging_floor(arm, authority, subs, args.floor_reads)
+    finally:
+        arm.stop()
+    out["load_average_at_end"] = os.getloadavg()
+    print(f"{vms} VMs:", out, flush=True)
+    return out
+
+
+def sizes(tmp: Path, authority: Authority, args: argparse.Namespace) -> dict[str, Any]:
+    """Every size of --vms, --runs times each (sizes interleaved, so a burst of load lands on all of them), and
+    the median of each figure per size."""
+    runs: dict[int, list[dict[str, Any]]] = {vms: [] for vms in args.vms}
+    for run in range(args.runs):
+        for vms in args.vms:
+            runs[vms].append(snapshot_at_size(tmp / f"size-{vms}-{run}", authority, vms, args))
+    result: dict[str, Any] = {}
+    for vms, measured in runs.items():
+        median: dict[str, Any] = {}
+        for key, value in measured[0].items():
+            numbers = [m[key] for m in measured if isinstance(m.get(key), (int, float))]
+            if numbers and len(numbers) == len(measured) and not isinstance(value, bool):
+                median[key] = round(statistics.median(numbers), 3)
+        median["paging_floor_median_s"] = round(statistics.median(m["paging_floor"]["median_s"] for m in measured), 3)
+        result[str(vms)] = {"median": median, "runs": measured}
+    smallest, largest = str(min(args.vms)), str(max(args.vms))
+    if smallest != largest:
+        low, high = result[smallest]["median"], result[largest]["median"]
+        result["growth"] = {key: round(high[key] / low[key], 2) for key in (
+            "reconcile_metric_s", "paging_floor_median_s", "first_query_to_last_record_s", "service_cpu_snapshot_s",
+            "first_scrape_s", "metrics_bytes_plain", "metrics_bytes_gzip") if low.get(key) and high.get(key)}
+    return result
+
+
 def throughput(tmp: Path, authority: Authority, azurite: Azurite, args: argparse.Namespace) -> dict[str, Any]:
     queue = azurite.queue()
     loaded = preload(azurite, queue.queue_name, args.messages, "tp")
@@ -726,6 +870,13 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer scrapes and messages")
+    parser.add_argument("--vms", type=int, nargs="+", metavar="N",
+                        help="only the first snapshot, its scrapes and memory, at each of these sizes (VMs; scale-set "
+                             f"events of {VMS_PER_EVENT} VMs in {SUBSCRIPTIONS} subscriptions); results in "
+                             "bench/results/fleet-sizes.json")
+    parser.add_argument("--runs", type=int, default=3, help="with --vms: runs of each size (the median is reported)")
+    parser.add_argument("--metrics-max-vms", type=int, default=None,
+                        help="with --vms: the service's --metrics-max-vms (default: the service's default)")
     parser.add_argument("--serve-metrics-floor", nargs=2, metavar=("PORT", "ROWS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_metrics_floor:
@@ -748,6 +899,20 @@ def main() -> None:
     out["service_venv"] = service_venv()
     print("service venv:", out["service_venv"], flush=True)
     authority = Authority("fleet-bench-ca")
+    if args.vms:
+        if any(vms < VMS_PER_EVENT or vms % VMS_PER_EVENT for vms in args.vms) or args.runs < 1:
+            raise SystemExit(f"--vms: multiples of {VMS_PER_EVENT}; --runs: at least 1")
+        args.size_reconcile_interval = 10.0
+        args.size_scrape_seconds = 30.0
+        args.floor_reads = 3
+        args.settle = 2.0
+        out |= {"runs": args.runs, "metrics_max_vms": args.metrics_max_vms,
+                "reconcile_interval_s": args.size_reconcile_interval, "scrape_seconds": args.size_scrape_seconds}
+        with tempfile.TemporaryDirectory() as scratch:
+            out["sizes"] = sizes(Path(scratch), authority, args)
+        out["load_average_at_end"] = os.getloadavg()
+        write_results("fleet-sizes", out)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         azurite = Azurite(tmp / "azurite")
