@@ -4,8 +4,9 @@ The service runs as its own process (`python -m forewarn fleet`, this checkout's
 bound (--outbox-max-records 100,000, half the snapshot's records), Resource Graph through the strict TLS
 stand-in (tests/peers/arm.py, in this process: 40,000 open events in 50 subscriptions, each on a scale set of
 5 VMs, pages of 1000 rows) with the real ManagedIdentityCredential, and two sinks: a file, and a CloudEvents
-webhook on loopback that answers 503 to every post for `--refuse` seconds (60) from the service's first query,
-then 200. The webhook sink posts one record per request, so it is the slow one, as a Slack or Teams sink is.
+webhook (the stand-in of tests/peers/notify.py) that answers 503 to every post for `--refuse` seconds (60) from
+the service's first query, then takes them. The webhook sink posts one record per request, so it is the slow
+one, as a Slack or Teams sink is.
 
 What it reports: whether every VM's `added` record reached both sinks exactly once (by record id; none dropped:
 azure_scheduled_events_outbox_dropped_records_total), the outbox's peak (stored records, the database's size with
@@ -31,7 +32,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import requests
 
 from common import BENCH, free_port, header, rss_mib, write_results
 from peers.arm import ArmPeer
+from peers.notify import NotifyPeer
 from peers.pki import Authority
 
 ROOT = BENCH.parent
@@ -64,42 +65,6 @@ def rows(events: int) -> list[dict[str, Any]]:
     return out
 
 
-class Endpoint:
-    """A CloudEvents webhook on loopback (HTTP/1.1, kept alive): 503 until `refuse_until`, then 200."""
-
-    def __init__(self) -> None:
-        self.refuse_until = float("inf")
-        self.accepted: list[str] = []
-        self.refused = 0
-        self.last_accept = 0.0
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if time.monotonic() < endpoint.refuse_until:
-                    endpoint.refused += 1
-                    self.send_response(503)
-                else:
-                    endpoint.accepted.append(json.loads(body)["id"])
-                    endpoint.last_accept = time.monotonic()
-                    self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def sample(text: str, family: str) -> float:
     match = re.search(rf"^{family} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else float("nan")
@@ -117,7 +82,8 @@ def main() -> None:
 
     authority = Authority("fleet-outbox-bench-ca")
     arm = ArmPeer(authority, rows=rows(events))
-    endpoint = Endpoint()
+    endpoint = NotifyPeer("cloudevents")   # tests/peers/notify.py: parses each post with the CloudEvents SDK
+    endpoint.received.down = True            # 503 to every post, until the recovery below
     work = Path(tempfile.mkdtemp(prefix="fleet-outbox-"))
     bundle = work / "ca.pem"
     bundle.write_bytes(authority.pem)
@@ -135,7 +101,7 @@ def main() -> None:
     started = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
     peak = {"stored": 0.0, "database_bytes": 0, "rss_mib": 0.0}
-    first_refusal = recovered = None
+    first_refusal = None
     metrics = ""
     try:
         while not arm.received.queries:
@@ -143,10 +109,10 @@ def main() -> None:
                 raise SystemExit(f"forewarn fleet did not query Resource Graph: {(work / 'fleet.log').read_text()}")
             time.sleep(0.05)
         first_query = time.monotonic()
-        endpoint.refuse_until = first_query + args.refuse
+        threading.Timer(args.refuse, lambda: setattr(endpoint.received, "down", False)).start()
         print(f"{vms} VMs, {events} events; first query {first_query - started:.1f} s after the start; the webhook "
               f"refuses for {args.refuse:g} s", flush=True)
-        while len(endpoint.accepted) < vms and time.monotonic() - first_query < args.timeout:
+        while len(endpoint.received.accepted) < vms and time.monotonic() - first_query < args.timeout:
             time.sleep(0.5)
             if proc.poll() is not None:
                 raise SystemExit(f"forewarn fleet exited: {(work / 'fleet.log').read_text()[-3000:]}")
@@ -162,8 +128,6 @@ def main() -> None:
             peak["rss_mib"] = max(peak["rss_mib"], rss_mib(proc.pid))
             if first_refusal is None and sample(metrics, "azure_scheduled_events_outbox_refused_commits_total") > 0:
                 first_refusal = time.monotonic()
-            if recovered is None and endpoint.accepted:
-                recovered = time.monotonic()
         done = time.monotonic()
         time.sleep(3)  # any repeat would arrive now
         metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
@@ -174,20 +138,21 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         arm.stop()
+        endpoint.stop()
     lines = [line for line in records_file.read_text().splitlines() if line.strip()]
     filed = [json.loads(line) for line in lines]
     expected = {(f"ss-{n}_{i}", str(uuid.UUID(int=1_000_000 + n))) for n in range(events)
                 for i in range(VMS_PER_EVENT)}
     file_ids = Counter(record["id"] for record in filed)
-    hook_ids = Counter(endpoint.accepted)
+    hook_ids = Counter(endpoint.received.ids())
     results = {
         **header(),
         "vms": vms, "events": events, "max_records": args.max_records, "refuse_seconds": args.refuse,
         "every_vm_once_in_the_file": {(r["data"]["vm"]["name"], r["subject"]) for r in filed} == expected
         and len(file_ids) == vms and max(file_ids.values()) == 1,
         "every_record_once_at_the_webhook": set(hook_ids) == set(file_ids) and max(hook_ids.values(), default=0) == 1,
-        "file_records": len(filed), "webhook_records": len(endpoint.accepted),
-        "webhook_refused_posts": endpoint.refused,
+        "file_records": len(filed), "webhook_records": sum(hook_ids.values()),
+        "webhook_posts_refused": len(endpoint.received.attempts) - len(endpoint.received.accepted_at),
         "dropped": sample(metrics, "azure_scheduled_events_outbox_dropped_records_total"),
         "refused_commits": sample(metrics, "azure_scheduled_events_outbox_refused_commits_total"),
         "resource_graph_pages": len(arm.received.queries),
@@ -197,7 +162,7 @@ def main() -> None:
         "seconds_from_first_query": {
             "first_refusal": None if first_refusal is None else round(first_refusal - first_query, 1),
             "webhook_recovered": args.refuse,
-            "last_record_at_the_webhook": round(endpoint.last_accept - first_query, 1),
+            "last_record_at_the_webhook": round(endpoint.received.accepted_at[-1] - first_query, 1),
             "run": round(done - first_query, 1),
         },
     }

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from test_fleet_service import PUSH_SECRET, SUBS, Fleet, row
 
 from conftest import wait_until
 from peers.arm import ArmPeer
+from peers.notify import NotifyPeer
 from peers.pki import Authority
 
 EVENTS = 600
@@ -52,44 +52,11 @@ def scale_set_row(n: int) -> dict[str, Any]:
             "subscriptionId": sub, "resourceGroup": "rg-a", "location": "westeurope", "properties": props}
 
 
-class Endpoint:
-    """A CloudEvents webhook endpoint on loopback: 503 to every post until `refuse_until` (monotonic; never, until
-    set), then 200, keeping the id of each event it accepted."""
-
-    def __init__(self) -> None:
-        self.refuse_until = float("inf")
-        self.accepted: list[str] = []
-        self.refused = 0
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if time.monotonic() < endpoint.refuse_until:
-                    endpoint.refused += 1
-                    self.send_response(503)
-                else:
-                    assert self.headers["Content-Type"].startswith("application/cloudevents+json")
-                    endpoint.accepted.append(json.loads(body)["id"])
-                    self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def endpoint() -> Iterator[Endpoint]:
-    peer = Endpoint()
+def endpoint() -> Iterator[NotifyPeer]:
+    """The CloudEvents webhook stand-in (tests/peers/notify.py), down (503 to every post) until a test says."""
+    peer = NotifyPeer("cloudevents")
+    peer.received.down = True
     yield peer
     peer.stop()
 
@@ -102,7 +69,7 @@ def sample(text: str, family: str) -> float:
 
 @pytest.mark.slow
 def test_a_snapshot_larger_than_the_outbox_with_a_sink_down_reaches_every_sink_once(
-        tmp_path: Path, endpoint: Endpoint) -> None:
+        tmp_path: Path, endpoint: NotifyPeer) -> None:
     authority = Authority("fleet-outbox-test-ca")
     arm = ArmPeer(authority, rows=[scale_set_row(n) for n in range(EVENTS)])
     fleet = Fleet(tmp_path, arm, authority, None, None,
@@ -110,16 +77,17 @@ def test_a_snapshot_larger_than_the_outbox_with_a_sink_down_reaches_every_sink_o
                   env={"FOREWARN_WEBHOOK_URL": endpoint.url})
     try:
         fleet.start()
-        endpoint.refuse_until = time.monotonic() + REFUSE_SECONDS
+        recovery = threading.Timer(REFUSE_SECONDS, lambda: setattr(endpoint.received, "down", False))
+        recovery.start()
         expected = {(f"ss-{n}_{i}", str(uuid.UUID(int=80_000 + n))) for n in range(EVENTS)
                     for i in range(VMS_PER_EVENT)}
         # While the endpoint refuses, the outbox fills to its bound and stops there: the sinks hold back news.
         wait_until(lambda: sample(fleet.metrics() or "", "azure_scheduled_events_outbox_refused_commits_total") > 0,
                    timeout=REFUSE_SECONDS + 10, message="the full outbox to refuse a commit")
-        assert endpoint.refused and not endpoint.accepted
+        assert endpoint.received.attempts and not endpoint.received.ids()
         assert len(fleet.records()) <= BOUND + 200  # nothing past the bound but a slice taken by an empty outbox
-        wait_until(lambda: len(endpoint.accepted) >= len(expected), timeout=60,
-                   message=f"every record at the webhook ({len(endpoint.accepted)} of {len(expected)})")
+        wait_until(lambda: len(endpoint.received.ids()) >= len(expected), timeout=60,
+                   message=f"every record at the webhook ({len(endpoint.received.ids())} of {len(expected)})")
         time.sleep(2)  # a repeat would come now
         metrics = fleet.metrics() or ""
         filed = fleet.records()
@@ -134,8 +102,9 @@ def test_a_snapshot_larger_than_the_outbox_with_a_sink_down_reaches_every_sink_o
     assert {r["data"]["change"] for r in filed} == {"added"}
     by_id = {r["id"]: r for r in filed}
     assert Counter(r["id"] for r in filed).most_common(1)[0][1] == 1 and len(by_id) == len(expected)
-    assert Counter(endpoint.accepted).most_common(1)[0][1] == 1  # no record twice at the webhook
-    assert set(endpoint.accepted) == set(by_id)                  # the same records, by id, at both sinks
+    accepted = endpoint.received.ids()
+    assert Counter(accepted).most_common(1)[0][1] == 1  # no record twice at the webhook
+    assert set(accepted) == set(by_id)                  # the same records, by id, at both sinks
 
 
 def test_a_snapshot_the_full_outbox_cuts_short_keeps_what_fitted_ends_nothing_and_is_whole_after_the_next() -> None:
@@ -184,7 +153,7 @@ def grid_on_scale_set(n: int, delivery: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_queue_messages_and_pushes_the_full_outbox_refuses_come_back_and_reach_the_sinks_once(
-        tmp_path: Path, endpoint: Endpoint, azurite: Azurite) -> None:
+        tmp_path: Path, endpoint: NotifyPeer, azurite: Azurite) -> None:
     """Queue and push, no Resource Graph: 60 queue messages of scale-set events (10 VMs each) against a bound
     of 100 records while the webhook refuses. The first receive fills the outbox; the next is refused and its
     messages stay in the queue; a push is answered 503 (Event Grid retries that). Once the webhook recovers the
@@ -202,12 +171,12 @@ def test_queue_messages_and_pushes_the_full_outbox_refuses_come_back_and_reach_t
                    timeout=30, message="the full outbox to refuse a receive")
         url = f"http://127.0.0.1:{fleet.port}/eventgrid"
         assert requests.post(url, params={"code": PUSH_SECRET}, json=push, timeout=10).status_code == 503
-        assert count(queue) > 0 and not endpoint.accepted
-        endpoint.refuse_until = time.monotonic()
-        wait_until(lambda: count(queue) == 0 and len(endpoint.accepted) >= 600, timeout=60,
-                   message=f"the queue empty and its records at the webhook ({len(endpoint.accepted)} of 600)")
+        assert count(queue) > 0 and not endpoint.received.ids()
+        endpoint.received.down = False
+        wait_until(lambda: count(queue) == 0 and len(endpoint.received.ids()) >= 600, timeout=60,
+                   message=f"the queue empty and its records at the webhook ({len(endpoint.received.ids())} of 600)")
         assert requests.post(url, params={"code": PUSH_SECRET}, json=push, timeout=10).status_code == 200
-        wait_until(lambda: len(endpoint.accepted) >= 610, timeout=30, message="the push's records at the webhook")
+        wait_until(lambda: len(endpoint.received.ids()) >= 610, timeout=30, message="the push's records at the webhook")
         time.sleep(2)  # a repeat would come now
         metrics = fleet.metrics() or ""
         filed = fleet.records()
@@ -218,4 +187,4 @@ def test_queue_messages_and_pushes_the_full_outbox_refuses_come_back_and_reach_t
     expected = {(f"qs-{n}_{i}", str(uuid.UUID(int=90_000 + n))) for n in range(61) for i in range(10)}
     assert {(r["data"]["vm"]["name"], r["subject"]) for r in filed} == expected
     assert len(filed) == len({r["id"] for r in filed}) == len(expected)
-    assert sorted(endpoint.accepted) == sorted(r["id"] for r in filed)
+    assert sorted(endpoint.received.ids()) == sorted(r["id"] for r in filed)
