@@ -61,7 +61,7 @@ MATRIX: dict[str, dict[str, Any]] = {
         "fleet": {"clientId": CLIENT_ID, "managementGroups": ["platform"], "replicas": 1}},
     "queue with a connection string, push route, every sink, web tls, operator": fleet(
         **OPERATOR,
-        fleet={"reconcileInterval": 120, "leaseName": "central",
+        fleet={"reconcileInterval": 120, "metricsMaxVms": 2500, "leaseName": "central",
                "queue": {"connectionStringSecret": {"name": "forewarn-queue"}},
                "eventgrid": {"path": "/eventgrid", "sharedSecret": {"name": "forewarn-eventgrid"}}},
         sinks={"file": {"enabled": True}, "otlp": {"enabled": True, "endpoint": "http://otel:4317"},
@@ -117,6 +117,7 @@ def test_the_rendered_settings_are_what_forewarn_fleet_resolves(tmp_path: Path) 
     settings = resolve_fleet(build_parser().parse_args(["fleet"]), environ=environ)
     assert settings.subscription == [SUBSCRIPTION] and settings.queue_url == QUEUE_URL
     assert settings.reconcile_interval == 120 and settings.eventgrid_path == "/eventgrid"
+    assert settings.metrics_max_vms == 2500 and "FOREWARN_METRICS_MAX_VMS" not in env_of(render(FLEET))
     assert settings.lease_name == "central" and settings.lease_namespace == NAMESPACE
     mounts = {m["name"]: m["mountPath"] for m in pod(docs)["containers"][0]["volumeMounts"]}
     files = {k: v for k, v in env_of(docs).items() if k.endswith("_FILE")}
