@@ -120,7 +120,7 @@ def kept_and_fresh() -> list[FleetEvent]:
         (pushed,) = parse_event_grid(samples.event_grid_event(props, target)).events
         direct = FleetEvent(row.resource_id, row.subscription_id, row.resource_group, row.event, "resourcegraph",
                             location=row.location)
-        assert "vms" in row.__dict__ and "vms" in pushed.__dict__ and "vms" not in direct.__dict__
+        assert row._vms is not None and pushed._vms is not None and direct._vms is None  # parsed when first asked
         events += [row, pushed, direct]
     return events
 

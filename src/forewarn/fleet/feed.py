@@ -27,7 +27,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
-from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 from forewarn.fleet.armid import (
@@ -87,7 +86,7 @@ class EventVms(NamedTuple):
         return cls(False, scale_set, tuple(name for name in resources if is_valid_name(name)), normalized)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FleetEvent:
     """One scheduled event as a central feed reports it.
 
@@ -107,6 +106,9 @@ class FleetEvent:
     delivery_id: str | None = None
     location: str | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    # What `vms` and `key` make once, kept beside the fields (slots: the fleet holds 20,000 of these at 100,000 VMs).
+    _vms: EventVms | None = field(default=None, init=False, compare=False, repr=False)
+    _key: tuple[str, str] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
     def event_id(self) -> str:
@@ -125,17 +127,25 @@ class FleetEvent:
             return f"{self.resource_id}/providers/{SCHEDULED_EVENTS_NAMESPACE}/{SCHEDULED_EVENTS_TYPE}/{event_id}"
         return scheduled_event_id(self.resource_id, event_id)
 
-    @cached_property
+    @property
     def vms(self) -> EventVms:
         """The VMs it acts on, from `resource_id` parsed once (the feed parsers hand over their own parse)."""
-        target = parse_arm_id(self.resource_id)
-        return EventVms.of(target, self.event.resources, normalized=str(target) == self.resource_id)
+        vms = self._vms
+        if vms is None:
+            target = parse_arm_id(self.resource_id)
+            vms = EventVms.of(target, self.event.resources, normalized=str(target) == self.resource_id)
+            object.__setattr__(self, "_vms", vms)
+        return vms
 
-    @cached_property
+    @property
     def key(self) -> tuple[str, str]:
         """(target resource, EventId) in lower case, as tracker.event_key compares events; made once per event,
         since the tracker and the metrics both keep it for every open one."""
-        return self.resource_id.lower(), self.event.event_id.lower()
+        key = self._key
+        if key is None:
+            key = self.resource_id.lower(), self.event.event_id.lower()
+            object.__setattr__(self, "_key", key)
+        return key
 
 
 @dataclass(frozen=True)
@@ -349,7 +359,7 @@ def parse_resource_graph_row(row: bytes | str | Any, *, max_bytes: int = DEFAULT
     if not warnings:
         return event
     kept = replace(event, warnings=capped(warnings))
-    kept.__dict__["vms"] = event.vms
+    object.__setattr__(kept, "_vms", event.vms)
     return kept
 
 
@@ -393,7 +403,7 @@ def _fleet_event(arm_id: str, arm_where: str, properties: Mapping[str, Any], whe
         event=event, origin=origin, event_time=event_time, delivery_id=delivery_id, location=location,
         warnings=capped(mine),
     )
-    fleet_event.__dict__["vms"] = EventVms.of(target, event.resources, True)  # the parse above, kept
+    object.__setattr__(fleet_event, "_vms", EventVms.of(target, event.resources, True))  # the parse above, kept
     return fleet_event
 
 

@@ -123,7 +123,7 @@ class FleetView:
         return self.ended(event_id) or (listed and self.complete_snapshots >= MISSING_SNAPSHOTS)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Open:
     event: FleetEvent
     updated_at: float       # the clock when this state was last changed or confirmed by a push
