@@ -53,7 +53,7 @@ class DocumentError(ValueError):
     """The reply is not a Scheduled Events document; the message says what was wrong and where."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """One scheduled event. `raw` holds the fields exactly as IMDS sent them, unknown ones included."""
 
