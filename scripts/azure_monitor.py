@@ -45,6 +45,17 @@ RULE_KEYS = {"alert", "record", "expr", "for", "labels", "annotations"}
 #: group to 20 rules.
 MAX_RULES = 20
 GROUP_KEYS = {"name", "rules", "interval"}
+#: A rule group's evaluation interval: "between 1 and 15 minutes", says the `interval` property of
+#: PrometheusRuleGroups.json (tests/azure-rest-api-specs), in seconds.
+INTERVAL_RANGE = (60, 15 * 60)
+
+#: The annotation holding a runbook link. forewarn's are repository-relative (docs/runbook.md#...), which an Azure
+#: alert shows as dead text: the template prefixes the parameter runbookBaseUrl to a relative one.
+RUNBOOK_ANNOTATION = "runbook_url"
+#: Where the repository-relative paths resolve: the project's GitHub repository (deploy/helm/forewarn/Chart.yaml's
+#: home), main branch.
+RUNBOOK_BASE_URL = "https://github.com/forewarn/forewarn/blob/main/"
+_RUNBOOK_EXPRESSION = re.compile(r"\[concat\(parameters\('runbookBaseUrl'\), '((?:[^']|'')*)'\)\]")
 
 #: Prometheus duration units (https://prometheus.io/docs/prometheus/latest/configuration/configuration/#duration)
 #: in seconds; ms is left out because ISO 8601 durations in Azure rule groups count whole seconds here.
@@ -82,6 +93,29 @@ def prometheus_duration(text: str) -> str:
     return "".join(parts) or "0s"
 
 
+def _seconds(iso: str) -> int:
+    match = _ISO_DURATION.fullmatch(iso)
+    assert match is not None, iso
+    return sum(int(value) * unit for value, unit in zip(match.groups(), (86400, 3600, 60, 1), strict=True) if value)
+
+
+def _annotation(key: str, value: str) -> str:
+    """An annotation's value as the template holds it: a relative runbook link prefixed with runbookBaseUrl; any
+    other value a literal (ARM reads a string that starts with "[" and ends with "]" as an expression, unless it
+    starts with "[[", which stands for one literal "[")."""
+    if key == RUNBOOK_ANNOTATION and value and "://" not in value:
+        return f"[concat(parameters('runbookBaseUrl'), {_arm_literal(value)})]"
+    return "[" + value if value.startswith("[") and value.endswith("]") else value
+
+
+def _source_annotation(value: str) -> str:
+    """The inverse of _annotation."""
+    match = _RUNBOOK_EXPRESSION.fullmatch(value)
+    if match is not None:
+        return match.group(1).replace("''", "'")
+    return value[1:] if value.startswith("[[") and value.endswith("]") else value
+
+
 def _rule(rule: Mapping[str, Any], where: str) -> dict[str, Any]:
     unknown = set(rule) - RULE_KEYS
     if unknown:
@@ -105,7 +139,7 @@ def _rule(rule: Mapping[str, Any], where: str) -> dict[str, Any]:
     if labels:
         out["labels"] = labels
     if rule.get("annotations"):
-        out["annotations"] = {str(key): str(value) for key, value in rule["annotations"].items()}
+        out["annotations"] = {str(key): _annotation(str(key), str(value)) for key, value in rule["annotations"].items()}
     if "alert" in rule:
         out["actions"] = "[variables('actions')]"
     return out
@@ -131,8 +165,13 @@ def rule_groups_template(rules_yaml: str, source: str = "deploy/prometheus/forew
         if not rules or len(rules) > MAX_RULES:
             raise SourceError(f"{source}: group {name} has {len(rules)} rules; an Azure rule group holds 1 to "
                               f"{MAX_RULES} (split the group)")
-        interval = (iso8601_duration(str(group["interval"]), f"{source}: group {name}: interval")
-                    if "interval" in group else "[parameters('interval')]")
+        interval = "[parameters('interval')]"
+        if "interval" in group:
+            interval = iso8601_duration(str(group["interval"]), f"{source}: group {name}: interval")
+            if not INTERVAL_RANGE[0] <= _seconds(interval) <= INTERVAL_RANGE[1]:
+                raise SourceError(f"{source}: group {name}: interval {group['interval']!r} is outside the 1 to 15 "
+                                  "minutes an Azure rule group is evaluated at (1m to 15m; or leave it out for the "
+                                  "template's parameter `interval`)")
         resources.append({
             "type": "Microsoft.AlertsManagement/prometheusRuleGroups",
             "apiVersion": PROMETHEUS_API_VERSION,
@@ -168,6 +207,11 @@ def rule_groups_template(rules_yaml: str, source: str = "deploy/prometheus/forew
                                "Azure Monitor)"}},
             "interval": {"type": "string", "defaultValue": "PT1M", "metadata": {
                 "description": "how often each group is evaluated, an ISO 8601 duration of 1 to 15 minutes"}},
+            "runbookBaseUrl": {"type": "string", "defaultValue": RUNBOOK_BASE_URL, "metadata": {
+                "description": "prefixed to each alert's repository-relative runbook_url annotation "
+                               "(docs/runbook.md#...), so that the alert links to the page: forewarn's repository "
+                               "by default, or where you host a copy of its docs/ (ending in the folder that holds "
+                               "docs/, with a slash)"}},
             "location": {"type": "string", "defaultValue": "[resourceGroup().location]", "metadata": {
                 "description": "region of the rule groups: the Azure Monitor workspace's"}},
         },
@@ -204,9 +248,10 @@ def prometheus_rules(template: Mapping[str, Any]) -> dict[str, Any]:
             out["expr"] = rule["expression"]
             if "for" in rule:
                 out["for"] = prometheus_duration(rule["for"])
-            for key in ("labels", "annotations"):
-                if key in rule:
-                    out[key] = dict(rule[key])
+            if "labels" in rule:
+                out["labels"] = dict(rule["labels"])
+            if "annotations" in rule:
+                out["annotations"] = {key: _source_annotation(value) for key, value in rule["annotations"].items()}
             rules.append(out)
         group["rules"] = rules
         groups.append(group)

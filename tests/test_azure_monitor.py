@@ -82,8 +82,9 @@ class Deployment:
             return {key: self.value(item) for key, item in node.items()}
         if isinstance(node, list):
             return [self.value(item) for item in node]
-        if isinstance(node, str) and node.startswith("[") and not node.startswith("[["):
-            assert node.endswith("]"), node
+        if isinstance(node, str) and node.startswith("[[") and node.endswith("]"):
+            return node[1:]
+        if isinstance(node, str) and node.startswith("[") and node.endswith("]"):
             tokens = self._tokens(node[1:-1])
             result = self._expression(tokens)
             assert not tokens, f"{node}: left over {tokens}"
@@ -397,3 +398,121 @@ def test_every_query_uses_only_columns_the_table_declares() -> None:
     for query in queries:
         assert unknown_columns(query, columns) == set(), query
     assert unknown_columns(queries[-1].replace("VmName", "VmNmae"), columns) == {"VmNmae"}
+
+
+def test_started_too_long_leaves_out_events_that_end_with_the_vm_gone() -> None:
+    # A Terminate or a Spot eviction (Preempt) ends with the VM deleted or stopped: no `removed` record can follow,
+    # so its last row stays Started. The query must filter those types out before it reports anything.
+    (resource,) = [resource for resource in log_alert_resources()
+                   if resource["properties"]["displayName"] == "ForewarnEventStartedTooLong"]
+    query = resource["properties"]["criteria"]["allOf"][0]["query"]
+    excluded = re.findall(r'^\| where EventType !in \(((?:"\w+"(?:, )?)+)\)$', query, re.MULTILINE)
+    assert [set(re.findall(r'"(\w+)"', found)) for found in excluded] == [{"Terminate", "Preempt"}], query
+    # the outer query keeps Reboot, Redeploy and Freeze (after a reboot forewarn reports the event removed)
+    assert not re.search(r"EventType (==|in) ", query)
+    imminent = gen.alert_queries(gen.QUERIES.read_text())["ForewarnRebootImminent"]
+    assert '"Terminate", "Preempt"' in imminent and "!in" not in imminent
+
+
+def test_runbook_links_are_absolute_in_azure_and_unchanged_in_the_round_trip() -> None:
+    sources = {rule["alert"]: rule["annotations"]["runbook_url"]
+               for group in source_rules() for rule in group["rules"] if "alert" in rule}
+    assert sources and all(url.startswith("docs/runbook.md#") for url in sources.values())
+    for base in (gen.RUNBOOK_BASE_URL, "https://docs.example.org/forewarn/"):
+        deployment = Deployment(template(gen.PROMETHEUS_TEMPLATE), {
+            "azureMonitorWorkspaceId": WORKSPACE, "clusterName": "aks-prod", "runbookBaseUrl": base})
+        deployed = {rule["alert"]: rule["annotations"]["runbook_url"]
+                    for resource in deployment.resources() for rule in resource["properties"]["rules"]
+                    if "alert" in rule}
+        assert deployed == {alert: base + url for alert, url in sources.items()}
+    assert gen.RUNBOOK_BASE_URL.startswith(yaml.safe_load((ROOT / "deploy/helm/forewarn/Chart.yaml").read_text())
+                                           ["home"] + "/")
+    # an absolute link, a quote and a value that looks like an ARM expression survive as they are
+    odd = ("groups: [{name: g, rules: [{alert: A, expr: up, labels: {severity: info}, annotations: "
+           "{runbook_url: 'https://wiki.example/a', summary: '[x] it''s down'}}, {alert: B, expr: up, "
+           "labels: {severity: info}, annotations: {runbook_url: \"docs/it's.md\", summary: '[a] and [b]'}}]}]")
+    back = gen.prometheus_rules(json.loads(gen.render(gen.rule_groups_template(odd))))
+    assert back == yaml.safe_load(odd)
+    resources = Deployment(gen.rule_groups_template(odd), {"azureMonitorWorkspaceId": WORKSPACE,
+                                                          "clusterName": "c"}).resources()
+    annotations = [rule["annotations"] for rule in resources[0]["properties"]["rules"]]
+    assert annotations == [{"runbook_url": "https://wiki.example/a", "summary": "[x] it's down"},
+                           {"runbook_url": gen.RUNBOOK_BASE_URL + "docs/it's.md", "summary": "[a] and [b]"}]
+    assert resources[0]["properties"]["rules"][1]["annotations"]["summary"] == "[a] and [b]"
+
+
+#: A rules file with what forewarn's own lacks: a recording rule, and a group-level interval.
+RECORDING_RULES = """\
+groups:
+  - name: forewarn-recording
+    interval: 2m
+    rules:
+      - record: job:azure_scheduled_events_open:sum
+        expr: sum by (job) (azure_scheduled_events_open)
+        labels:
+          source: forewarn
+      - alert: ForewarnEventsOpen
+        expr: job:azure_scheduled_events_open:sum > 0
+        for: 4m
+        labels:
+          severity: info
+"""
+RECORDING_RULES_TEST = """\
+rule_files: [rules.yaml]
+evaluation_interval: 2m
+tests:
+  - interval: 2m
+    input_series:
+      - series: 'azure_scheduled_events_open{job="forewarn", instance="a"}'
+        values: '1x10'
+      - series: 'azure_scheduled_events_open{job="forewarn", instance="b"}'
+        values: '2x10'
+    promql_expr_test:
+      - expr: job:azure_scheduled_events_open:sum
+        eval_time: 10m
+        exp_samples:
+          - labels: 'job:azure_scheduled_events_open:sum{job="forewarn", source="forewarn"}'
+            value: 3
+    alert_rule_test:
+      - alertname: ForewarnEventsOpen
+        eval_time: 10m
+        exp_alerts:
+          - exp_labels: {job: forewarn, source: forewarn, severity: info}
+"""
+
+
+def test_a_recording_rule_and_a_group_interval_are_carried_valid_and_round_trip(tmp_path: Path) -> None:
+    generated = json.loads(gen.render(gen.rule_groups_template(RECORDING_RULES, "rules.yaml")))
+    (resource,) = Deployment(generated, {"azureMonitorWorkspaceId": WORKSPACE, "clusterName": "aks-prod",
+                                         "actionGroupIds": ACTION_GROUPS}).resources()
+    assert errors(PROMETHEUS_SPEC.validator("PrometheusRuleGroupResource"), request_body(resource)) == []
+    properties = resource["properties"]
+    assert properties["interval"] == "PT2M"
+    record, alert = properties["rules"]
+    assert record == {"record": "job:azure_scheduled_events_open:sum",
+                      "expression": "sum by (job) (azure_scheduled_events_open)", "labels": {"source": "forewarn"}}
+    assert (alert["for"], alert["severity"], len(alert["actions"])) == ("PT4M", 3, 2)
+
+    rules = gen.prometheus_rules(generated)
+    assert rules == yaml.safe_load(RECORDING_RULES)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    (tmp_path / "test.yaml").write_text(RECORDING_RULES_TEST)
+    result = subprocess.run([require_promtool(), "test", "rules", "test.yaml"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("interval", "iso"), [("1m", "PT1M"), ("90s", "PT1M30S"), ("15m", "PT15M")])
+def test_a_group_interval_within_azures_range_is_kept(interval: str, iso: str) -> None:
+    rules = RECORDING_RULES.replace("interval: 2m", f"interval: {interval}")
+    (resource,) = gen.rule_groups_template(rules)["resources"]
+    assert resource["properties"]["interval"] == iso
+
+
+@pytest.mark.parametrize("interval", ["59s", "30s", "15m1s", "1h", "1d"])
+def test_a_group_interval_outside_azures_range_is_refused_by_name(interval: str) -> None:
+    rules = RECORDING_RULES.replace("interval: 2m", f"interval: {interval}")
+    with pytest.raises(gen.SourceError, match=re.escape(
+            f"rules.yaml: group forewarn-recording: interval '{interval}' is outside the 1 to 15 minutes an Azure "
+            "rule group is evaluated at")):
+        gen.rule_groups_template(rules, "rules.yaml")
