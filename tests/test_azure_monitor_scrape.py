@@ -228,6 +228,38 @@ def test_the_chart_renders_the_components_objects_in_each_mode() -> None:
         "password": {"name": "forewarn-scrape", "key": "password"}}
 
 
+def secrets_reader(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in ("Role", "RoleBinding") and "ama-metrics" in d["metadata"]["name"]]
+
+
+def test_with_basic_auth_the_chart_lets_the_add_on_read_secrets_in_its_namespace() -> None:
+    # Kubernetes 1.37 and later: the add-on's ClusterRole no longer reads Secrets cluster-wide, so the Secret that
+    # basicAuth names is readable only through a Role in its namespace bound to the add-on's service account.
+    basic = {"enabled": True, "configSecret": {"name": "forewarn-web-config", "key": "web.yml"},
+             "scrapeSecretName": "forewarn-scrape"}
+    for values, namespace in (({"azureMonitor": {"enabled": True}}, NAMESPACE),
+                              ({**FLEET, "azureMonitor": {"enabled": True}}, "forewarn")):
+        docs = rendered({**values, "web": {"basicAuth": basic}}, namespace=namespace)
+        role, binding = one(secrets_reader(docs), "Role"), one(secrets_reader(docs), "RoleBinding")
+        assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch"]}]
+        account = yaml.safe_load((FIXTURES / "ama-metrics-serviceAccount.yaml").read_text())
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                        "namespace": account["metadata"]["namespace"]}]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        (monitor,) = azure_objects(docs)
+        endpoints = monitor["spec"].get("podMetricsEndpoints") or monitor["spec"]["endpoints"]
+        assert endpoints[0]["basicAuth"]["password"]["name"] == "forewarn-scrape"
+        assert monitor["metadata"]["namespace"] == namespace
+
+    # none without basic auth, without the add-on's objects, or when turned off
+    assert not secrets_reader(rendered({"azureMonitor": {"enabled": True}}))
+    assert not secrets_reader(rendered({"serviceMonitor": {"enabled": True}, "web": {"basicAuth": basic}}))
+    assert not secrets_reader(rendered({"azureMonitor": {"enabled": True, "secretsReaderRole": False},
+                                        "web": {"basicAuth": basic}}))
+
+
 def test_the_chart_renders_none_by_default_and_refuses_what_the_add_on_could_not_scrape() -> None:
     assert not azure_objects(render()) and not azure_objects(render({"serviceMonitor": {"enabled": True}}))
     tls = {"enabled": True, "secretName": "forewarn-web-tls"}
