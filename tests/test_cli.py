@@ -262,10 +262,48 @@ def test_variables_of_the_other_command_are_noted_and_forewarns_own_are_accepted
         check_environment({"FOREWARN_XYZZY": "1", "FOREWARN_DRY_RUNN": "1"}, "run")
 
 
+def service_links(service: str, cluster_ip: str, ports: list[tuple[str, int, str]]) -> dict[str, str]:
+    """The variables the kubelet gives a pod for a Service of its namespace (pkg/kubelet/envvars, service links):
+    `ports` as (name, port, protocol), the first one unnamed as Kubernetes allows."""
+    prefix = service.upper().replace("-", "_").replace(".", "_")
+    host = f"[{cluster_ip}]" if ":" in cluster_ip else cluster_ip
+    links = {f"{prefix}_SERVICE_HOST": cluster_ip, f"{prefix}_SERVICE_PORT": str(ports[0][1]),
+             f"{prefix}_PORT": f"{ports[0][2].lower()}://{host}:{ports[0][1]}"}
+    for name, port, protocol in ports:
+        if name:
+            links[f"{prefix}_SERVICE_PORT_{name.upper().replace('-', '_')}"] = str(port)
+        each = f"{prefix}_PORT_{port}_{protocol}"
+        links |= {each: f"{protocol.lower()}://{host}:{port}", f"{each}_PROTO": protocol.lower(),
+                  f"{each}_PORT": str(port), f"{each}_ADDR": cluster_ip}
+    return links
+
+
+def test_variables_kubernetes_sets_for_a_forewarn_service_are_noted_not_refused() -> None:
+    from forewarn.config import check_environment
+
+    # a user's Service named forewarn-push, the chart's own "forewarn" (a named metrics port, IPv6) and a UDP one
+    links = {**service_links("forewarn-push", "10.0.0.11", [("", 443, "TCP"), ("metrics-http", 9465, "TCP")]),
+             **service_links("forewarn", "fd00::5", [("metrics", 9465, "TCP")]),
+             **service_links("forewarn-dns", "10.0.0.10", [("", 53, "UDP"), ("sctp-x", 7, "SCTP")])}
+    assert len(links) == 32
+    for command in ("run", "fleet"):
+        notes = check_environment({**links, "PATH": "/bin"}, command)
+        assert notes == [f"{', '.join(sorted(links))}: the form of the variables Kubernetes sets for each Service of "
+                         f"the pod's namespace (service links), not forewarn's; forewarn {command} ignores them "
+                         "(enableServiceLinks: false in the pod spec leaves them out)"]
+    # a name of those forms with a value Kubernetes would not give it is a misspelt option all the same
+    for name, value in [("FOREWARN_LISTEN_PORT", "9465"), ("FOREWARN_PUSH_SERVICE_HOST", "push.example"),
+                        ("FOREWARN_PUSH_PORT_443_TCP_PROTO", "https"), ("FOREWARN_PUSH_SERVICE_PORT", "https")]:
+        with pytest.raises(ConfigError, match=f"^unknown variable {name}"):
+            check_environment({**links, name: value}, "run")
+
+
 def test_run_logs_a_variable_it_ignores_and_starts() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "forewarn", "run", "--simulate", "quiet", "--listen-address",
                              "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=environment_without_forewarn(FOREWARN_QUEUE_URL="https://a.queue.core.windows.net/q"))
+                            env=environment_without_forewarn(FOREWARN_QUEUE_URL="https://a.queue.core.windows.net/q",
+                                                             **service_links("forewarn-push", "10.0.0.11",
+                                                                             [("", 443, "TCP")])))
     assert proc.stderr is not None
     lines: list[str] = []
     try:
@@ -279,6 +317,8 @@ def test_run_logs_a_variable_it_ignores_and_starts() -> None:
     assert any("WARNING" in line and line.rstrip().endswith(
         "FOREWARN_QUEUE_URL is an option of forewarn fleet (--queue-url); forewarn run ignores it")
         for line in lines), lines
+    assert any("WARNING" in line and "FOREWARN_PUSH_SERVICE_HOST" in line and "(service links)" in line
+               for line in lines), lines
 
 
 def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from test_helm import CHART, NAMESPACE, RELEASE, helm, lint_and_validate, one, render
-from test_kubernetes import K8S_VERSION, build
+from test_kubernetes import K8S_VERSION, build, pod_specs
 
 ROOT = Path(__file__).parent.parent
 AZURE = ROOT / "deploy" / "azure"
@@ -183,6 +183,15 @@ def test_node_actions_rbac_is_off_by_default_and_the_same_in_helm_and_kustomize(
                                       "serviceaccount.yaml").read_text())["metadata"]
     assert kustomized["subjects"] == [{"kind": "ServiceAccount", "name": overlay_account["name"],
                                        "namespace": "forewarn"}]
+
+
+@pytest.mark.parametrize("name", ["subscriptions and a queue", "queue with a connection string, push route, "
+                                  "every sink, web tls, operator"])
+def test_no_fleet_pod_gets_service_link_variables(name: str) -> None:
+    # A Service named forewarn-* in the namespace would otherwise give forewarn FOREWARN_* variables it does
+    # not read (forewarn.config.is_service_link); the kustomize overlays: tests/test_kubernetes.py.
+    specs = pod_specs(render(MATRIX[name]))
+    assert specs and all(spec["enableServiceLinks"] is False for spec in specs)
 
 
 def test_the_pod_is_locked_down_with_workload_identity_and_probes() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from test_kubernetes import K8S_VERSION, build, by_kind, validate_crds, with_operator
+from test_kubernetes import K8S_VERSION, build, by_kind, pod_specs, validate_crds, with_operator
 
 from conftest import require_tool
 
@@ -138,6 +138,14 @@ def test_lint_strict_and_every_rendered_object_validates(name: str) -> None:
     docs, report = lint_and_validate(MATRIX[name])
     if any(d["apiVersion"].startswith("monitoring.coreos.com/") for d in docs):
         assert sorted(report.split("\n")[:-1]) == [f"ok PrometheusRule {RELEASE}", f"ok ServiceMonitor {RELEASE}"]
+
+
+@pytest.mark.parametrize("name", ["defaults", "node actions on", "everything"])
+def test_no_pod_gets_service_link_variables(name: str) -> None:
+    # A Service named forewarn-* in the namespace would otherwise give forewarn FOREWARN_* variables it does
+    # not read (forewarn.config.is_service_link).
+    specs = pod_specs(render(MATRIX[name]))
+    assert specs and all(spec["enableServiceLinks"] is False for spec in specs)
 
 
 def test_every_forewarn_variable_the_chart_sets_is_a_real_option() -> None:

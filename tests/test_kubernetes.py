@@ -84,6 +84,22 @@ def test_the_crd_check_rejects_what_the_operator_would(tmp_path: Path) -> None:
     assert "invalid PrometheusRule forewarn: /spec/groups/0/rules/0 must have required property expr" in result.stdout
 
 
+def pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pod spec of every object that makes pods (a DaemonSet, a Deployment, ...)."""
+    return [d["spec"]["template"]["spec"] for d in docs if "template" in d.get("spec", {})]
+
+
+TARGETS = ["base", *sorted(str(p.relative_to(KUSTOMIZE)) for p in (KUSTOMIZE / "overlays").iterdir())]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_pod_gets_service_link_variables(target: str) -> None:
+    # A Service named forewarn-* in the namespace would otherwise give forewarn FOREWARN_* variables it does
+    # not read (forewarn.config.is_service_link).
+    specs = pod_specs(build(target))
+    assert specs and all(spec["enableServiceLinks"] is False for spec in specs)
+
+
 def test_daemonset_is_locked_down() -> None:
     docs = build("base")
     pod = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]

@@ -598,13 +598,48 @@ OTHER_VARIABLES = ("FOREWARN_CONFIG", "FOREWARN_HOOK", "FOREWARN_RULE", "FOREWAR
                    "FOREWARN_RESOURCES", "FOREWARN_VM_NAME")
 
 
+#: The names the kubelet gives a pod for each Service with a cluster IP in its namespace ("service links",
+#: pkg/kubelet/envvars): NAME_SERVICE_HOST, NAME_SERVICE_PORT, NAME_SERVICE_PORT_<PORT NAME>, and Docker's link
+#: forms NAME_PORT, NAME_PORT_<PORT>_<PROTOCOL> and its _PROTO, _PORT and _ADDR. The value each form takes is
+#: checked too, so that a misspelt option which merely ends in _PORT is still refused.
+_SERVICE_LINK = re.compile(r"[A-Z_][A-Z0-9_]*?_(?:(?P<host>SERVICE_HOST)|(?P<port>SERVICE_PORT(?:_[A-Z0-9_]+)?)"
+                           r"|(?P<url>PORT(?:_[0-9]+_(?:TCP|UDP|SCTP))?)"
+                           r"|PORT_[0-9]+_(?:TCP|UDP|SCTP)_(?:(?P<proto>PROTO)|(?P<number>PORT)|(?P<addr>ADDR)))")
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Whether `name`=`value` has the form of a variable Kubernetes sets for a Service (_SERVICE_LINK)."""
+    match = _SERVICE_LINK.fullmatch(name)
+    if match is None:
+        return False
+    kind = match.lastgroup
+    if kind in ("port", "number"):
+        return value.isdigit()
+    if kind == "proto":
+        return value in ("tcp", "udp", "sctp")
+    address = value
+    if kind == "url":
+        scheme, _, address = value.partition("://")
+        address, _, port = address.rpartition(":")
+        if scheme not in ("tcp", "udp", "sctp") or not port.isdigit():
+            return False
+        address = address.removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
 def check_environment(environ: Mapping[str, str], command: str) -> list[str]:
     """The FOREWARN_* variables of `environ` that `forewarn run` or `forewarn fleet` (`command`) will not read.
 
     A variable no forewarn command reads is a ConfigError naming the nearest option: a misspelt one would
     otherwise leave its option at the default without a word (FOREWARN_DRY_RUNN: a real drain instead of a
     dry run), as an unknown key of --config is refused. An option of the other command is only a note for the
-    log (returned): one environment often serves both, as a shared env file or a chart's common values do.
+    log (returned): one environment often serves both, as a shared env file or a chart's common values do. So
+    is a variable Kubernetes made for a Service whose name starts with "forewarn-" (is_service_link): refusing
+    it would stop every forewarn pod of the namespace, restart after restart, over someone else's Service.
     """
     own, other = ("run", "fleet") if command == "run" else ("fleet", "run")
     tables = {"run": RUN_OPTIONS, "fleet": FLEET_OPTIONS}
@@ -612,6 +647,7 @@ def check_environment(environ: Mapping[str, str], command: str) -> list[str]:
     theirs = {option.env: option for option in tables[other] if option.env not in mine}
     unknown: list[str] = []
     notes: list[str] = []
+    links: list[str] = []
     for name in sorted(environ):
         if not name.upper().startswith(ENV_PREFIX) or name in mine or name in OTHER_VARIABLES:
             continue
@@ -619,7 +655,15 @@ def check_environment(environ: Mapping[str, str], command: str) -> list[str]:
             notes.append(f"{name} is an option of forewarn {other} (--{theirs[name].name}); forewarn {own} "
                          "ignores it")
             continue
+        if is_service_link(name, environ[name]):
+            links.append(name)
+            continue
         unknown.append(name + _nearest_variable(name, own, mine, other, theirs))
+    if links:
+        notes.append(f"{', '.join(links)}: the form of the variables Kubernetes sets for each Service of the pod's "
+                     f"namespace (service links), not forewarn's; forewarn {own} ignores "
+                     f"{'them' if len(links) > 1 else 'it'} (enableServiceLinks: false in the pod spec leaves "
+                     "them out)")
     if unknown:
         raise ConfigError(f"unknown variable{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: a FOREWARN_ "
                           "variable names an option of forewarn run or fleet (their --help), so a misspelt one is "
