@@ -315,6 +315,8 @@ METRICS_DOC = ROOT / "docs" / "metrics.md"
 #: The families of features that may be off, by feature (docs/metrics.md, "Families that appear with their feature").
 FEATURES = {
     "approvals": {"azure_scheduled_events_approvals_total"},
+    "policy reload": {"azure_scheduled_events_policy_last_reload_successful",      # `forewarn run`'s SIGHUP
+                      "azure_scheduled_events_policy_last_reload_success_timestamp_seconds"},
     "hooks": {"azure_scheduled_events_hook_runs_total"},
     "node actions": {"azure_scheduled_events_node_actions_total", "azure_scheduled_events_node_drains_in_progress",
                      "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
@@ -467,9 +469,10 @@ def test_a_plain_agent_and_fleet_export_no_family_of_a_feature_that_is_off(live:
 
 
 def test_configured_features_bring_their_families(live: dict[str, str]) -> None:
-    assert set().union(*(FEATURES[f] for f in ("approvals", "hooks", "node actions", "own codec"))) <= \
-        exported(live["run+features"])
-    assert set().union(*FEATURES.values()) <= exported(live["fleet+features"])
+    assert set().union(*(FEATURES[f] for f in ("approvals", "policy reload", "hooks", "node actions",
+                                               "own codec"))) <= exported(live["run+features"])
+    assert set().union(*(names for f, names in FEATURES.items() if f != "policy reload")) <= \
+        exported(live["fleet+features"])
 
 
 @pytest.mark.parametrize("mode", ["run", "fleet"])

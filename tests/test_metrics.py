@@ -308,6 +308,8 @@ def test_the_countdown_is_written_to_the_millisecond_ahead_behind_and_for_a_frac
 
 FEATURE_FAMILIES = {
     "approvals": ["azure_scheduled_events_approvals_total"],
+    "policy_reload": ["azure_scheduled_events_policy_last_reload_successful",         # the per-VM agent's only
+                      "azure_scheduled_events_policy_last_reload_success_timestamp_seconds"],
     "hooks": ["azure_scheduled_events_hook_runs_total"],
     "node_actions": ["azure_scheduled_events_node_actions_total", "azure_scheduled_events_node_drains_in_progress",
                      "azure_scheduled_events_node_drain_blocked_since_timestamp_seconds",
@@ -325,7 +327,7 @@ def test_families_of_features_that_are_off_are_absent_and_appear_with_the_featur
     assert family_names(metrics.render()[0].decode()) & every == set()
     metrics.policy_loaded(hooks=False, node_actions=False)            # a policy without hooks or node actions
     shown = family_names(metrics.render()[0].decode())
-    assert shown & every == set(FEATURE_FAMILIES["approvals"])
+    assert shown & every == {*FEATURE_FAMILIES["approvals"], *FEATURE_FAMILIES["policy_reload"]}
     assert len(series(scrape(metrics), "azure_scheduled_events_approvals_total")) == len(EVENT_TYPES) * 3
     metrics.policy_loaded(hooks=True, node_actions=True)              # a reload (SIGHUP) that adds both
     assert family_names(metrics.render()[0].decode()) & every == every

@@ -96,14 +96,16 @@ class Metrics:
             "azure_scheduled_events_state_write_errors_total",
             "Failed writes of state or outbox (disk full, read-only state dir).", registry=r)
         # As Prometheus's own prometheus_config_last_reload_successful: 1 while the policy in use is the file's.
+        # Without --policy there is nothing to reload: neither is in /metrics (`policy_loaded`).
+        self.policy_families = FeatureFamilies(r)
         self.policy_reload_ok = Gauge(
             "azure_scheduled_events_policy_last_reload_successful",
             "1 if the last load of --policy (at start or on SIGHUP) succeeded, 0 if the file was refused and the "
-            "previous policy is still in use.", registry=r)
+            "previous policy is still in use.", registry=self.policy_families)
         self.policy_reload_ok.set(1)
         self.policy_reload_time = Gauge(
             "azure_scheduled_events_policy_last_reload_success_timestamp_seconds",
-            "Unix time of the last successful load of --policy (0 without a policy).", registry=r)
+            "Unix time of the last successful load of --policy.", registry=self.policy_families)
         self.hook_families = FeatureFamilies(r)
         self.hook_runs = Counter("azure_scheduled_events_hook_runs_total", "Prepare and recover hook runs by result.",
                                  ["hook", "result"], registry=self.hook_families)
@@ -156,6 +158,7 @@ class Metrics:
         """A policy is in use (at start or after SIGHUP): the approval families show from now on, and those of
         hooks and of node actions once a policy has any. Without --policy none of them is in /metrics."""
         self.approval_families.turn_on()
+        self.policy_families.turn_on()
         if hooks:
             self.hook_families.turn_on()
         if node_actions:
