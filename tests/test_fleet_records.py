@@ -164,3 +164,16 @@ def test_record_ids_are_uuid5_of_the_name_as_uuid_makes_them() -> None:
         incarnation = rng.randrange(0, 10**6)
         expected = uuid.uuid5(namespace, f"{parts[0]}\n{parts[1]}\n{parts[2]}\n{incarnation}")
         assert record_id(*parts, incarnation) == str(expected)
+
+
+def test_values_that_repeat_across_events_are_one_string_each() -> None:
+    def row(n: int) -> FleetEvent:
+        props = samples.properties(event_id=str(n), event_type="Re" + "boot", resources=(f"vm-{n}",))
+        return parse_resource_graph_row(json.loads(json.dumps(samples.resource_graph_row(
+            props, samples.target_id("vm", f"vm-{n}")))))  # each row decoded on its own, as pages are
+
+    a, b = row(1), row(2)
+    for field in ("event_type", "status", "resource_type", "source"):
+        assert getattr(a.event, field) is getattr(b.event, field)
+    assert a.event.raw["EventType"] is b.event.raw["EventType"] and a.location is b.location
+    assert a.event.raw == samples.properties(event_id="1", resources=["vm-1"])
