@@ -74,6 +74,40 @@ def test_config_file_errors_name_file_and_position(tmp_path: Path) -> None:
         resolve(parse_run("--config", str(tmp_path / "missing.yaml")), environ={})
 
 
+@pytest.mark.parametrize(("command", "text", "message"), [
+    ("run", "poll_intervall: 5\n", "unknown option 'poll_intervall' (did you mean poll-interval?)"),
+    ("run", "dry-runn: true\nsink: [stdout]\n", "unknown option 'dry-runn' (did you mean dry-run?)"),
+    ("run", "reconcile_intervall: 60\n",
+     "unknown option 'reconcile_intervall' (did you mean reconcile-interval of forewarn fleet?)"),
+    ("run", "subscription: [s]\n", "unknown option 'subscription' (an option of forewarn fleet, which forewarn "
+                                     "run does not take)"),
+    ("fleet", "reconcile-intervall: 60\nqueue_urll: https://a.queue.core.windows.net/q\n",
+     "unknown options 'reconcile-intervall' (did you mean reconcile-interval?); 'queue_urll' (did you mean "
+     "queue-url?)"),
+    ("fleet", "poll-interval: 1\n", "unknown option 'poll-interval' (an option of forewarn run, which forewarn "
+                                      "fleet does not take)"),
+])
+def test_an_unknown_config_key_is_refused_with_the_nearest_option(tmp_path: Path, command: str, text: str,
+                                                                   message: str) -> None:
+    from forewarn.config import resolve_fleet
+
+    config = tmp_path / "forewarn.yaml"
+    config.write_text(text)
+    args = build_parser().parse_args([command, "--config", str(config)])
+    with pytest.raises(ConfigError) as refused:
+        resolve_fleet(args, environ={}) if command == "fleet" else resolve(args, environ={})
+    assert str(refused.value) == f"--config {config}: {message}"
+
+
+def test_an_unknown_config_key_near_no_option_is_refused_with_the_valid_ones(tmp_path: Path) -> None:
+    config = tmp_path / "forewarn.yaml"
+    config.write_text("xyzzy: 1\n")
+    with pytest.raises(ConfigError) as refused:
+        resolve(parse_run("--config", str(config)), environ={})
+    assert str(refused.value) == f"--config {config}: unknown option 'xyzzy'; valid: " + ", ".join(
+        option.name for option in RUN_OPTIONS)
+
+
 def test_every_run_option_has_an_environment_variable() -> None:
     assert all(option.env == "FOREWARN_" + option.name.replace("-", "_").replace(".", "_").upper()
                for option in RUN_OPTIONS)

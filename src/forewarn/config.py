@@ -12,7 +12,7 @@ import ipaddress
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -675,19 +675,43 @@ def _nearest_variable(name: str, own: str, mine: Mapping[str, Option], other: st
                       theirs: Mapping[str, Option]) -> str:
     """" (did you mean FOREWARN_X, --x?)" for the option whose variable is nearest to `name` (the command's own
     on a tie), or "" when none is near."""
-    import difflib  # only on this error path
+    found = _nearest_option(name.upper().removeprefix(ENV_PREFIX), [(own, mine.values()), (other, theirs.values())])
+    if found is None:
+        return ""
+    command, option = found
+    return f" (did you mean {option.env}, --{option.name}{'' if command == own else f' of forewarn {command}'}?)"
 
-    key = name.upper().removeprefix(ENV_PREFIX)
+
+def _nearest_key(key: str, options: Sequence[Option]) -> str:
+    """For an unknown key of --config: " (an option of forewarn fleet, ...)" when it is the other command's, else
+    " (did you mean x?)" for the nearest option (the command's own on a tie), or "" when none is near."""
+    own, other = ("fleet", "run") if options is FLEET_OPTIONS else ("run", "fleet")
+    mine = {option.dest for option in options}
+    theirs = [option for option in (RUN_OPTIONS if other == "run" else FLEET_OPTIONS) if option.dest not in mine]
+    for option in theirs:
+        if option.dest == option_key(key).lower():
+            return f" (an option of forewarn {other}, which forewarn {own} does not take)"
+    found = _nearest_option(key, [(own, options), (other, theirs)])
+    if found is None:
+        return ""
+    command, option = found
+    return f" (did you mean {option.name}{'' if command == own else f' of forewarn {command}'}?)"
+
+
+def _nearest_option(key: str, tables: Sequence[tuple[str, Iterable[Option]]]) -> tuple[str, Option] | None:
+    """The command and option whose name is nearest to `key` (any case, dashes or underscores), searched in
+    `tables` (command, its options) in order: an earlier table wins a tie. None when none is near: difflib's
+    ratio under 0.6, the cutoff argparse's own suggestions and the flags' hints use."""
+    import difflib  # only on these error paths
+
+    wanted = option_key(key).lower()
     best: tuple[float, str, Option] | None = None
-    for command, options in ((own, mine), (other, theirs)):
-        for env, option in options.items():
-            score = difflib.SequenceMatcher(None, key, env.removeprefix(ENV_PREFIX)).ratio()
+    for command, options in tables:
+        for option in options:
+            score = difflib.SequenceMatcher(None, wanted, option.dest).ratio()
             if score >= 0.6 and (best is None or score > best[0]):
                 best = (score, command, option)
-    if best is None:
-        return ""
-    _, command, option = best
-    return f" (did you mean {option.env}, --{option.name}{'' if command == own else f' of forewarn {command}'}?)"
+    return None if best is None else best[1:]
 
 
 def safe_url(url: str) -> str:
@@ -822,10 +846,14 @@ def _resolve(args: argparse.Namespace, options: Sequence[Option], environ: Mappi
     from_file = _load_file(config_path) if config_path else {}
     by_key = {option.dest: option for option in options}
     aliases = {option_key(alias): option.dest for option in options for alias in option.aliases}
-    unknown = [key for key in from_file if aliases.get(option_key(str(key)), option_key(str(key))) not in by_key]
+    unknown = [str(key) for key in from_file
+               if aliases.get(option_key(str(key)), option_key(str(key))) not in by_key]
     if unknown:
-        raise ConfigError(f"--config {config_path}: unknown option {unknown[0]!r}; valid: "
-                          + ", ".join(option.name for option in options))
+        hints = [f"{key!r}{_nearest_key(key, options)}" for key in unknown]
+        valid = "" if all(hint.endswith(")") for hint in hints) else "; valid: " + ", ".join(
+            option.name for option in options)
+        raise ConfigError(f"--config {config_path}: unknown option{'s' if len(unknown) > 1 else ''} "
+                          f"{'; '.join(hints)}{valid}")
     file_values = {aliases.get(option_key(str(key)), option_key(str(key))): value for key, value in from_file.items()}
 
     values: dict[str, Any] = {}
