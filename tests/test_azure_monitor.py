@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +38,7 @@ def _script() -> ModuleType:
 
 gen = _script()
 
+SUBSCRIPTION = "/subscriptions/00000000-0000-0000-0000-000000000000"
 WORKSPACE = ("/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/monitoring/providers/"
              "microsoft.monitor/accounts/amw")
 ACTION_GROUPS = [f"/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/monitoring/providers/"
@@ -50,7 +52,8 @@ _TOKEN = re.compile(r"\s*(?:(?P<string>'(?:[^']|'')*')|(?P<number>-?\d+)|(?P<nam
 
 class Deployment:
     """Evaluates an ARM template's expressions for given parameter values: parameters, variables (with copy),
-    concat, format, string, length, copyIndex, resourceGroup and resourceId. Anything else fails the test."""
+    concat, format, string, length, not, empty, guid, copyIndex, resourceGroup, resourceId and
+    subscriptionResourceId; a resource whose `condition` is false is left out. Anything else fails the test."""
 
     def __init__(self, template: dict[str, Any], parameters: dict[str, Any]) -> None:
         self.template = template
@@ -75,7 +78,8 @@ class Deployment:
             self.variables[loop["name"]] = items
 
     def resources(self) -> list[dict[str, Any]]:
-        return [self.value(resource) for resource in self.template["resources"]]
+        return [self.value(resource) for resource in self.template["resources"]
+                if self.value(resource.get("condition", True)) is True]
 
     def value(self, node: Any) -> Any:
         if isinstance(node, dict):
@@ -141,11 +145,21 @@ class Deployment:
             return len(args[0])
         if name == "copyIndex":
             return self.copy_index[args[0]]
+        if name == "not":
+            assert isinstance(args[0], bool)
+            return not args[0]
+        if name == "empty":
+            return len(args[0]) == 0
+        if name == "guid":
+            return str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(args)))
         if name == "resourceGroup":
-            return {"location": "westeurope", "name": "monitoring"}
-        if name == "resourceId":
-            return (f"/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/monitoring/providers/"
-                    f"{args[0]}/{args[1]}")
+            return {"location": "westeurope", "name": "monitoring", "id": f"{SUBSCRIPTION}/resourceGroups/monitoring"}
+        if name in ("resourceId", "subscriptionResourceId"):
+            namespace, *types = args[0].split("/")
+            assert len(types) == len(args) - 1, f"{name}{tuple(args)}: one name per type segment"
+            path = "/".join(f"{kind}/{value}" for kind, value in zip(types, args[1:], strict=True))
+            scope = SUBSCRIPTION + ("/resourceGroups/monitoring" if name == "resourceId" else "")
+            return f"{scope}/providers/{namespace}/{path}"
         raise AssertionError(f"ARM function {name} is not one the generator should write")
 
 
@@ -516,3 +530,116 @@ def test_a_group_interval_outside_azures_range_is_refused_by_name(interval: str)
             f"rules.yaml: group forewarn-recording: interval '{interval}' is outside the 1 to 15 minutes an Azure "
             "rule group is evaluated at")):
         gen.rule_groups_template(rules, "rules.yaml")
+
+
+# --- forewarn-logs.json (hand-written) against the deployment template schemas -----------------------------------
+
+TEMPLATE_SCHEMAS = Path(__file__).parent / "azure-resource-manager-schemas"
+#: The one reference out of these files: ARM's expression syntax, which an evaluated template no longer holds.
+EXPRESSION = "https://schema.management.azure.com/schemas/common/definitions.json#/definitions/expression"
+#: forewarn-logs.json's resource types -> (schema file, its resource definition).
+LOGS_SCHEMAS = {
+    "Microsoft.OperationalInsights/workspaces/tables": ("2022-10-01_Microsoft.OperationalInsights.json",
+                                                        "workspaces_tables"),
+    "Microsoft.Insights/dataCollectionEndpoints": ("2022-06-01_Microsoft.Insights.json", "dataCollectionEndpoints"),
+    "Microsoft.Insights/dataCollectionRules": ("2022-06-01_Microsoft.Insights.json", "dataCollectionRules"),
+    "Microsoft.Authorization/roleAssignments": ("2022-04-01_Microsoft.Authorization.json", "roleAssignments"),
+}
+#: Enums the REST specification marks extensible (x-ms-enum modelAsString: true) but the generated schema closes:
+#: definition -> property whose items take any string. A data flow's streams are the known Microsoft-* ones or
+#: a stream the rule declares itself, Custom-<name> (dataCollectionRules_API.json 2022-06-01, KnownDataFlowStreams).
+EXTENSIBLE = {"DataFlow": "streams"}
+#: Members of a template's resource that steer ARM and are not part of the resource the provider receives.
+ARM_ONLY = ("dependsOn", "condition", "scope", "copy", "comments")
+
+
+def template_schema_validator(filename: str, definition: str) -> jsonschema.Draft4Validator:
+    """A resource definition of a deployment template schema, made strict: ARM expressions refused (the template
+    is evaluated first, so every value must be a real one) and objects closed to properties the schema does not
+    name (the generated schemas leave them open)."""
+    document = json.loads((TEMPLATE_SCHEMAS / filename).read_text())
+
+    def strict(node: Any) -> Any:
+        if isinstance(node, list):
+            return [strict(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("$ref") == EXPRESSION:
+            return {"not": {}}
+        out = {key: strict(value) if key not in ("enum", "required") else value for key, value in node.items()}
+        if "properties" in out and "additionalProperties" not in out and isinstance(out["properties"], dict):
+            out["additionalProperties"] = False
+        return out
+
+    definitions = strict(document["definitions"])
+    for name, member in EXTENSIBLE.items():
+        if name in definitions:
+            (listed, expression) = definitions[name]["properties"][member]["oneOf"]
+            assert listed["items"]["enum"] and expression == {"not": {}}, f"{name}.{member} changed shape"
+            listed["items"] = {"type": "string"}
+    schema = {**strict(document["resourceDefinitions"][definition]), "definitions": definitions}
+    return jsonschema.Draft4Validator(schema)
+
+
+def schema_errors(validator: jsonschema.Draft4Validator, body: dict[str, Any]) -> list[str]:
+    """Every error, and inside a failed oneOf the errors of each branch ("path: message"), so that a test can name
+    the member at fault rather than the whole `properties` object."""
+    def walk(error: jsonschema.ValidationError) -> Iterator[str]:
+        yield f"{'/'.join(map(str, error.absolute_path))}: {error.message}"
+        for inner in error.context or []:
+            yield from walk(inner)
+    return [line for error in validator.iter_errors(body) for line in walk(error)]
+
+
+def logs_resources(**parameters: Any) -> list[dict[str, Any]]:
+    deployment = Deployment(template(AZURE_MONITOR / "forewarn-logs.json"), {"workspaceName": "logs", **parameters})
+    return deployment.resources()
+
+
+@pytest.mark.parametrize("principal", ["", "11111111-2222-3333-4444-555555555555"])
+def test_every_resource_of_forewarn_logs_is_valid_against_its_template_schema(principal: str) -> None:
+    resources = logs_resources(principalId=principal)
+    kinds = [resource["type"] for resource in resources]
+    expected = [kind for kind in LOGS_SCHEMAS if principal or kind != "Microsoft.Authorization/roleAssignments"]
+    assert kinds == expected
+    for resource in resources:
+        filename, definition = LOGS_SCHEMAS[resource["type"]]
+        assert resource["apiVersion"] in filename
+        body = {key: value for key, value in resource.items() if key not in ARM_ONLY}
+        assert errors(template_schema_validator(filename, definition), body) == [], resource["type"]
+    if principal:
+        (assignment,) = [resource for resource in resources if resource["type"].endswith("roleAssignments")]
+        assert assignment["properties"]["principalId"] == principal
+        assert assignment["properties"]["roleDefinitionId"].endswith(
+            "/providers/Microsoft.Authorization/roleDefinitions/3913510d-42f4-4e42-8a64-420c390055eb")
+        assert assignment["scope"] == "Microsoft.Insights/dataCollectionRules/forewarn-dcr"
+
+
+@pytest.mark.parametrize(("kind", "change", "expected"), [
+    ("tables", lambda body: body["properties"]["schema"]["columns"][0].update(type="text"),
+     "properties/schema/columns/0/type: 'text' is not one of"),
+    ("tables", lambda body: body["properties"].update(retentionInDays="[parameters('x')]"),
+     "properties/retentionInDays: \"[parameters('x')]\" is not valid under any of the given schemas"),
+    ("tables", lambda body: body["properties"]["schema"].update(colums=[]),
+     "properties/schema: Additional properties are not allowed ('colums' was unexpected)"),
+    ("dataCollectionRules", lambda body: body["properties"]["streamDeclarations"]["Custom-ForewarnEvents"][
+        "columns"][0].update(type="dateTime"),
+     "properties/streamDeclarations/Custom-ForewarnEvents/columns/0/type: 'dateTime' is not one of"),
+    ("dataCollectionRules", lambda body: body["properties"]["dataFlows"][0].update(streams="Custom-ForewarnEvents"),
+     "properties/dataFlows/0/streams: 'Custom-ForewarnEvents' is not of type 'array'"),
+    ("dataCollectionRules", lambda body: body["properties"]["destinations"].update(logAnalytics={}),
+     "properties/destinations/logAnalytics: {} is not of type 'array'"),
+    ("dataCollectionEndpoints", lambda body: body["properties"]["networkAcls"].update(publicNetworkAccess="Open"),
+     "properties/networkAcls/publicNetworkAccess: 'Open' is not one of"),
+    ("roleAssignments", lambda body: body["properties"].update(principalType="Robot"),
+     "properties/principalType: 'Robot' is not one of"),
+])
+def test_the_template_schema_check_refuses_what_the_schema_does_not_allow(kind: str, change: Any,
+                                                                          expected: str) -> None:
+    (resource,) = [resource for resource in logs_resources(principalId="11111111-2222-3333-4444-555555555555")
+                   if resource["type"].endswith("/" + kind)]
+    body = {key: value for key, value in resource.items() if key not in ARM_ONLY}
+    change(body)
+    filename, definition = LOGS_SCHEMAS[resource["type"]]
+    found = schema_errors(template_schema_validator(filename, definition), body)
+    assert any(expected in error for error in found), found
