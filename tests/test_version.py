@@ -1,6 +1,6 @@
 """One version everywhere: the package, `forewarn version` and `forewarn --version`, the image's version label,
 the kustomize image tag, the Helm chart's version and appVersion, and the newest CHANGELOG entry. The release
-workflow runs this file with FOREWARN_RELEASE_TAG set to the pushed tag, which must be `v` + that version.
+workflow runs this file with RELEASE_TAG set to the pushed tag, which must be `v` + that version.
 docs/releasing.md lists the places a release changes."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_the_newest_changelog_entry_is_this_version() -> None:
 
 
 def test_the_release_tag_is_v_and_the_version() -> None:
-    tag = os.environ.get("FOREWARN_RELEASE_TAG")
+    tag = os.environ.get("RELEASE_TAG")
     if tag is None:
-        pytest.skip("FOREWARN_RELEASE_TAG is not set (the release workflow sets it to the pushed tag)")
+        pytest.skip("RELEASE_TAG is not set (the release workflow sets it to the pushed tag)")
     assert tag == f"v{__version__}", f"tag {tag} does not match the version {__version__}: bump it or retag"

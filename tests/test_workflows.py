@@ -225,11 +225,28 @@ def test_the_release_starts_with_the_version_test_given_the_tag() -> None:
     jobs = load(RELEASE)["jobs"]
     (step,) = [step for step in jobs["verify"]["steps"] if "tests/test_version.py" in step.get("run", "")]
     assert step["run"] == "python -m pytest tests/test_version.py -q"
-    assert step["env"] == {"FOREWARN_RELEASE_TAG": "${{ github.ref_name }}"}
+    assert step["env"] == {"RELEASE_TAG": "${{ github.ref_name }}"}
     for name, job in jobs.items():
         needs = job.get("needs", [])
         assert name == "verify" or "verify" in needs or set(needs) & {"dist", "image", "chart"}, name
     assert set(jobs["release"]["needs"]) == set(jobs) - {"release"}
+
+
+def test_no_tool_names_a_variable_forewarn_would_refuse() -> None:
+    """README: variables of other tools must not start with FOREWARN_ (forewarn run and fleet stop on one that
+    names no option). Every FOREWARN_ name the workflows, scripts, build and deploy files use is forewarn's."""
+    from forewarn.config import FLEET_OPTIONS, OTHER_VARIABLES, RUN_OPTIONS
+
+    known = {option.env for option in (*RUN_OPTIONS, *FLEET_OPTIONS)} | set(OTHER_VARIABLES)
+    places = [ROOT / name for name in (".github", ".ci", "scripts", "deploy", "bench", "examples", "Makefile",
+                                       "Dockerfile")]
+    files = [path for place in places for path in ([place] if place.is_file() else place.rglob("*"))
+             if path.is_file()]
+    assert len(files) > 100 and RELEASE in files
+    foreign = {f"{path.relative_to(ROOT)}: {name}" for path in files
+               for name in re.findall(r"\bFOREWARN_[A-Z0-9_]+", path.read_text(encoding="utf-8", errors="replace"))
+               if name not in known}
+    assert sorted(foreign) == []
 
 
 def test_the_images_are_both_variants_for_both_architectures_signed_by_digest() -> None:
