@@ -99,6 +99,19 @@ def test_an_unknown_config_key_is_refused_with_the_nearest_option(tmp_path: Path
     assert str(refused.value) == f"--config {config}: {message}"
 
 
+def test_the_one_shot_commands_read_runs_config_file_and_refuse_its_misspellings(tmp_path: Path) -> None:
+    from forewarn.cli import IMDS_OPTIONS
+
+    config = tmp_path / "forewarn.yaml"
+    config.write_text("imds-endpoint: http://127.0.0.1:9\npoll-interval: 2\nsink: [stdout]\n")
+    settings = resolve(build_parser().parse_args(["events"]), IMDS_OPTIONS, environ={"FOREWARN_CONFIG": str(config)})
+    assert settings.imds_endpoint == "http://127.0.0.1:9"
+    config.write_text("imds-endpoint: http://127.0.0.1:9\nimds-timout: 2\n")
+    with pytest.raises(ConfigError) as refused:
+        resolve(build_parser().parse_args(["events"]), IMDS_OPTIONS, environ={"FOREWARN_CONFIG": str(config)})
+    assert str(refused.value) == f"--config {config}: unknown option 'imds-timout' (did you mean imds-timeout?)"
+
+
 def test_an_unknown_config_key_near_no_option_is_refused_with_the_valid_ones(tmp_path: Path) -> None:
     config = tmp_path / "forewarn.yaml"
     config.write_text("xyzzy: 1\n")

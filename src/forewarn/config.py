@@ -844,14 +844,17 @@ def _resolve(args: argparse.Namespace, options: Sequence[Option], environ: Mappi
     flags = vars(args)
     config_path = flags.get("config") or environ.get(ENV_PREFIX + "CONFIG")
     from_file = _load_file(config_path) if config_path else {}
-    by_key = {option.dest: option for option in options}
-    aliases = {option_key(alias): option.dest for option in options for alias in option.aliases}
+    # The file is run's or fleet's: the one-shot commands (IMDS_OPTIONS, a part of run's) read run's file and
+    # leave the rest of it to run.
+    table = FLEET_OPTIONS if options is FLEET_OPTIONS else RUN_OPTIONS
+    by_key = {option.dest: option for option in table}
+    aliases = {option_key(alias): option.dest for option in table for alias in option.aliases}
     unknown = [str(key) for key in from_file
                if aliases.get(option_key(str(key)), option_key(str(key))) not in by_key]
     if unknown:
-        hints = [f"{key!r}{_nearest_key(key, options)}" for key in unknown]
+        hints = [f"{key!r}{_nearest_key(key, table)}" for key in unknown]
         valid = "" if all(hint.endswith(")") for hint in hints) else "; valid: " + ", ".join(
-            option.name for option in options)
+            option.name for option in table)
         raise ConfigError(f"--config {config_path}: unknown option{'s' if len(unknown) > 1 else ''} "
                           f"{'; '.join(hints)}{valid}")
     file_values = {aliases.get(option_key(str(key)), option_key(str(key))): value for key, value in from_file.items()}
