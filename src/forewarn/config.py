@@ -638,7 +638,7 @@ def check_environment(environ: Mapping[str, str], command: str) -> list[str]:
     otherwise leave its option at the default without a word (FOREWARN_DRY_RUNN: a real drain instead of a
     dry run), as an unknown key of --config is refused. An option of the other command is only a note for the
     log (returned): one environment often serves both, as a shared env file or a chart's common values do. So
-    is a variable Kubernetes made for a Service whose name starts with "forewarn-" (is_service_link): refusing
+    is a variable Kubernetes made for a Service whose name starts with "forewarn" (is_service_link): refusing
     it would stop every forewarn pod of the namespace, restart after restart, over someone else's Service.
     """
     own, other = ("run", "fleet") if command == "run" else ("fleet", "run")
