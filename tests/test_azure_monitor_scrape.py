@@ -256,7 +256,7 @@ def test_with_basic_auth_the_chart_lets_the_add_on_read_secrets_in_its_namespace
     # none without basic auth, without the add-on's objects, or when turned off
     assert not secrets_reader(rendered({"azureMonitor": {"enabled": True}}))
     assert not secrets_reader(rendered({"serviceMonitor": {"enabled": True}, "web": {"basicAuth": basic}}))
-    assert not secrets_reader(rendered({"azureMonitor": {"enabled": True, "secretsReaderRole": False},
+    assert not secrets_reader(rendered({"azureMonitor": {"enabled": True, "basicAuthRbac": False},
                                         "web": {"basicAuth": basic}}))
 
 
