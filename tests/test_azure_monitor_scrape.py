@@ -253,6 +253,13 @@ def test_with_basic_auth_the_chart_lets_the_add_on_read_secrets_in_its_namespace
         assert endpoints[0]["basicAuth"]["password"]["name"] == "forewarn-scrape"
         assert monitor["metadata"]["namespace"] == namespace
 
+    # the ConfigMap setting the chart cannot write is named in the release notes
+    notes = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                 values={"azureMonitor": {"enabled": True}, "web": {"basicAuth": basic}})
+    assert notes.returncode == 0, notes.stderr
+    assert (f"the add-on reads forewarn-scrape only once {NAMESPACE} is in secrets_access_namespaces of the "
+            "ConfigMap kube-system/ama-metrics-settings-configmap") in notes.stdout.split("NOTES:", 1)[1]
+
     # none without basic auth, without the add-on's objects, or when turned off
     assert not secrets_reader(rendered({"azureMonitor": {"enabled": True}}))
     assert not secrets_reader(rendered({"serviceMonitor": {"enabled": True}, "web": {"basicAuth": basic}}))
