@@ -16,7 +16,7 @@ lint:
 	test -x .venv/bin/zizmor || $(MAKE) setup
 	scripts/lint
 
-# Every benchmark, then the tables for docs/performance.md (about 55 minutes on 2 cores).
+# Every benchmark, then the tables for docs/performance.md (about 75 minutes on 2 cores).
 bench: setup
 	$(PYTHON) bench/latency.py
 	$(PYTHON) bench/cost.py
@@ -27,10 +27,12 @@ bench: setup
 	$(PYTHON) bench/node_actions.py
 	cd bench && ../$(PYTHON) image.py
 	$(PYTHON) bench/fleet.py
+	$(PYTHON) bench/fleet.py --vms 10000 50000 100000
+	$(PYTHON) bench/fleet_outbox.py
 	$(PYTHON) bench/fleet_act.py
 	$(PYTHON) bench/report.py | tee bench/results/report.md
 
-# A smoke run of the same (about 15 minutes): small samples, figures not for publishing.
+# A smoke run of the same (about 16 minutes): small samples, figures not for publishing.
 bench-quick: setup
 	$(PYTHON) bench/latency.py --changes 20
 	$(PYTHON) bench/cost.py --quick
@@ -41,5 +43,6 @@ bench-quick: setup
 	$(PYTHON) bench/node_actions.py --quick
 	cd bench && ../$(PYTHON) image.py --settle 10 --samples 5
 	$(PYTHON) bench/fleet.py --quick
+	$(PYTHON) bench/fleet_outbox.py --vms 20000 --refuse 10 --max-records 10000
 	$(PYTHON) bench/fleet_act.py --quick
 	$(PYTHON) bench/report.py
