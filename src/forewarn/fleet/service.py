@@ -36,7 +36,7 @@ from forewarn.config import FLEET_OPTIONS, ConfigError, FleetSettings, redact_ur
 from forewarn.fleet import handover
 from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
-from forewarn.fleet.records import change_records
+from forewarn.fleet.records import change_texts
 from forewarn.fleet.scope import FleetScope, ScopeGate
 from forewarn.fleet.state import PREFIX, changed_state, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView, event_key
@@ -45,7 +45,7 @@ from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
 from forewarn.outbox.outbox import Outbox, OutboxFull, StoreError
 from forewarn.owner import Owner
 from forewarn.poller import DeliveryMetrics, OutboxMetrics
-from forewarn.records import Record
+from forewarn.records import JsonRecords, Record
 from forewarn.signals import handle_signals, ignore_stop_signals
 from forewarn.sinks import build_sinks
 from forewarn.sources import STOP_WAIT, Source, Term
@@ -207,8 +207,8 @@ class FleetCommitter:
             part = changes[start:start + COMMIT_SLICE]
             known = [change for change in part if self._inherited and self._announced_before(change)]
             skip = {id(change) for change in known}
-            records = [record for change in part if id(change) not in skip
-                       for record in change_records(change, observed_at)]
+            records = JsonRecords([text for change in part if id(change) not in skip
+                                   for text in change_texts(change, observed_at)])
             try:
                 self.outbox.append(records, state=changed_state(part, self.tracker))
             except Exception:

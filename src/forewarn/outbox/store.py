@@ -28,7 +28,7 @@ from typing import Literal
 
 from forewarn.backlog import Backlog
 from forewarn.imds.document import Document, DocumentError, parse_document
-from forewarn.records import Record
+from forewarn.records import JsonRecords, Record
 
 DB_FILE = "forewarn.sqlite"
 DEFAULT_MAX_RECORDS = 100_000
@@ -235,8 +235,8 @@ class Store:
                 stored = self._stored(conn)
                 if records and stored and stored + len(records) > self.max_records:
                     raise OutboxFull(stored, len(records), self.max_records)
-            conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
-                             [(record.to_json(), now) for record in records])
+            texts = records.texts if isinstance(records, JsonRecords) else [record.to_json() for record in records]
+            conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)", [(text, now) for text in texts])
             self._save_document(conn, document)
             self._save_states(conn, state)
             dropped = self._enforce_bound(conn) if overflow == "drop" else 0
@@ -244,13 +244,15 @@ class Store:
 
     @staticmethod
     def _save_states(conn: sqlite3.Connection, state: Mapping[str, str | None] | None) -> None:
-        for key, value in (state or {}).items():
-            if key == "document":
-                raise ValueError("the key 'document' is the IMDS document's")
-            if value is None:
-                conn.execute("DELETE FROM state WHERE key = ?", (key,))
-            else:
-                conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", (key, value))
+        """Every key's row written or deleted, one statement for each kind (fleet mode saves a row per event: a
+        statement per row was a third of committing a first snapshot of 20,000 events). The deletions go first:
+        no key is both deleted and written, as `state` holds each key once."""
+        state = state or {}
+        if "document" in state:
+            raise ValueError("the key 'document' is the IMDS document's")
+        conn.executemany("DELETE FROM state WHERE key = ?", [(key,) for key, value in state.items() if value is None])
+        conn.executemany("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
+                         [(key, value) for key, value in state.items() if value is not None])
 
     @staticmethod
     def _save_document(conn: sqlite3.Connection, document: Document | None) -> None:
