@@ -16,6 +16,7 @@ from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.resourcegraph import ResourceGraphClient
 from forewarn.fleet.service import FleetCommitter, ResourceGraphSource
 from forewarn.outbox.outbox import Outbox
+from forewarn.poller import OutboxMetrics
 from forewarn.tracker import ChangeKind
 from test_fleet_resourcegraph import TOKEN, FixedToken
 
@@ -81,3 +82,37 @@ def test_a_later_snapshot_holds_the_trackers_own_objects_for_what_did_not_change
     pushed = replace(first[0], origin="eventgrid")
     assert committer.known(pushed) is pushed
     committer.outbox.close()
+
+
+def test_a_snapshot_the_full_outbox_cuts_short_is_timed_too(tmp_path: Path) -> None:
+    # 250 events on single VMs against a bound of 150 records: the first slice of 100 goes in, the second is refused
+    authority = Authority("reconcile-full-test-ca")
+    rows = [samples.resource_graph_row(samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"vm-{n}"]),
+                                       samples.target_id("vm", f"vm-{n}")) for n in range(250)]
+    arm = ArmPeer(authority, token=TOKEN, rows=rows)
+    stop = threading.Event()
+    client = ResourceGraphClient(arm.base, FixedToken(), timeout=5.0, stop=stop,
+                                 context=ssl.create_default_context(cadata=authority.pem.decode()))
+    metrics = FleetMetrics(["resourcegraph"])
+    outbox = Outbox(tmp_path / "state", ["file"], max_records=150, overflow="refuse",
+                    observer=OutboxMetrics(metrics, metrics.outbox_refused))
+    committer = FleetCommitter(outbox, metrics)
+    source = ResourceGraphSource(client, [samples.SUB], [], 3600.0, committer, metrics)
+    thread = threading.Thread(target=source.run, args=(stop,), daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 20
+        while metrics.view.commit_seconds is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        text = metrics.render()[0].decode()
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+        outbox.close()
+        arm.stop()
+    found = parse_metrics(text)
+    assert found[("azure_scheduled_events_outbox_refused_commits_total", ())] == 1
+    assert len(committer.view().open_events) == 100 and outbox.stored == 100   # cut short after one slice
+    assert found[(COMMIT, ())] == metrics.view.commit_seconds and found[(COMMIT, ())] > 0
+    assert found[(READ, ())] == metrics.view.reconcile_seconds

@@ -16,9 +16,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from forewarn.fleet.feed import FleetEvent
 from forewarn.owner import Owner
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ class ScopeGate:
         self._logged: set[str] = set()
 
     def keep(self, events: Sequence[FleetEvent], source: str) -> list[FleetEvent]:
-        """The events of `events` (from `source`: queue, eventgrid) that are within the scope."""
+        """The events of `events` (from `source`: queue, eventgrid) that are within the scope (not counted: see
+        `admit`)."""
         kept = []
         for event in events:
             reason = self.scope.outside(event)
@@ -94,9 +98,16 @@ class ScopeGate:
                 kept.append(event)
             else:
                 self._log_once(reason, source)
+        return kept
+
+    def admit(self, events: Sequence[FleetEvent], source: str, commit: Callable[[list[FleetEvent]], T]) -> T:
+        """`commit` of the events within the scope; the others are counted once it returned. A delivery whose
+        commit raised (a full outbox refused it) comes again, and its strangers are counted then, once."""
+        kept = self.keep(events, source)
+        result = commit(kept)
         if len(kept) < len(events):
             self._left_out(source, len(events) - len(kept))
-        return kept
+        return result
 
     def _log_once(self, reason: str, source: str) -> None:
         with self._lock:
