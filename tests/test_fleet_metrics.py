@@ -233,6 +233,18 @@ def test_per_vm_series_stop_at_the_limit_in_the_order_an_operator_acts_and_the_a
     assert places == {"ss1": 3, "ss2": 5, "ss3": 5, "ss4": 4}
 
 
+def test_an_event_too_large_for_the_room_left_does_not_hide_the_smaller_ones_after_it() -> None:
+    # A (Started, 3 VMs) first, then B (10 VMs, earliest NotBefore) that does not fit in 6, then C (2 VMs): C fits
+    events = {"A": scale_set_event(1, 3, "Started"), "B": scale_set_event(2, 10, not_before=EARLIEST),
+              "C": scale_set_event(3, 2, not_before=LATE)}
+    metrics = FleetMetrics(["resourcegraph"], max_vms=6)
+    metrics.events_now(list(events.values()))
+    text = metrics.render()[0]
+    assert per_vm(text)["azure_scheduled_event_info"] == {events["A"].event_id, events["C"].event_id}
+    assert totals(text) == {"azure_scheduled_events": 3, "azure_scheduled_events_by_scope": 3,
+                            "azure_scheduled_events_vms": 15, "left_out_events": 1, "left_out_vms": 10}
+
+
 def sample_lines(metrics: FleetMetrics) -> int:
     return sum(1 for line in metrics.render()[0].decode().splitlines()
                if line and not line.startswith(("#", "process_")))

@@ -415,9 +415,10 @@ class _EventFamilies:
 
 
 def per_vm_shown(events: Sequence[FleetEvent], max_vms: int) -> set[int]:
-    """The events (their id()) whose per-VM series are shown: all when `max_vms` is 0 or their VMs fit, else the
-    first in the order an operator acts in (Started before Scheduled, then the earliest NotBefore, then EventId)
-    whose VMs together are at most `max_vms`. An event is shown whole or not at all."""
+    """The events (their id()) whose per-VM series are shown: all when `max_vms` is 0 or their VMs fit, else, in
+    the order an operator acts in (Started before Scheduled, then the earliest NotBefore, then EventId), each
+    event whose VMs still fit within `max_vms`. An event is shown whole or not at all, and one too large for the
+    room left is passed over, not the end: the smaller events after it are still shown."""
     if not max_vms or sum(len(event.vms.names) for event in events) <= max_vms:
         return {id(event) for event in events}
     ordered = sorted(events, key=lambda e: (-STATUS_RANK.get(e.status, 0),
@@ -425,9 +426,9 @@ def per_vm_shown(events: Sequence[FleetEvent], max_vms: int) -> set[int]:
                                             e.event_id.lower(), e.resource_id.lower()))
     shown, used = set(), 0
     for event in ordered:
+        if used + len(event.vms.names) > max_vms:
+            continue
         used += len(event.vms.names)
-        if used > max_vms:
-            break
         shown.add(id(event))
     return shown
 
