@@ -15,7 +15,8 @@ snapshots read, and the times from the first query to the first refusal and to t
 
     python bench/fleet_outbox.py [--vms 200000] [--refuse 60] [--max-records 100000]
 
-Results are printed and written to bench/results/fleet-outbox.json.
+Results are printed and written to bench/results/fleet-outbox.json. The exit status is 1 (with the counts on
+stderr) when any record is missing from a sink or reached one twice.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def sample(text: str, family: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
-def main() -> None:
+def main() -> int | str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vms", type=int, default=200_000, help="VMs with an open event (5 per scale-set event)")
     parser.add_argument("--refuse", type=float, default=60.0, help="seconds the webhook refuses every post")
@@ -167,7 +168,14 @@ def main() -> None:
         },
     }
     write_results("fleet-outbox", results)
+    missing = len(expected - {(r["data"]["vm"]["name"], r["subject"]) for r in filed})
+    repeated = sum(n - 1 for n in file_ids.values()) + sum(n - 1 for n in hook_ids.values())
+    at_the_webhook = len(set(file_ids) - set(hook_ids))
+    if missing or repeated or at_the_webhook:
+        return (f"records lost or repeated: {missing} VM(s) missing from the file, {at_the_webhook} record(s) of "
+                f"the file missing at the webhook, {repeated} record(s) repeated")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
