@@ -68,10 +68,12 @@ log = logging.getLogger(__name__)
 #: 100 changes on scale sets of 5 VMs are 500 records, and the first snapshot of 2,000 such events grows the
 #: service by 4 MiB instead of 13 MiB with slices of 500 (bench/fleet.py, docs/performance.md).
 COMMIT_SLICE = 100
-#: Records per delivery batch. A first snapshot puts thousands in the outbox at once, and each batch is read,
-#: decoded and serialised again in one go: 100 instead of the agent's 500 keeps 4 MiB less resident after a
-#: first snapshot of 10,000 VMs (bench/fleet.py), and 100 records still make one write or one request.
-DELIVERY_BATCH = 100
+#: Records per delivery batch: one read of the outbox, one send and one acknowledgement each. While a snapshot
+#: commits, each acknowledgement waits for a slice's transaction to end, so delivery takes one batch per slice:
+#: with batches smaller than a slice's records (100 changes of 5 VMs, 500) it fell behind and delivered 80% of a
+#: first snapshot of 100,000 VMs after the commit, about 1 s more (bench/fleet.py --vms). 500 keeps up, for 1 MiB
+#: more resident than 100 with the file sink (docs/performance.md, "Fleet mode at 10,000, ... VMs").
+DELIVERY_BATCH = 500
 
 
 class NotActive(Exception):
