@@ -120,7 +120,9 @@ def test_a_snapshot_the_full_outbox_cuts_short_keeps_what_fitted_ends_nothing_an
     metrics = FleetMetrics(["resourcegraph"])
     outbox = Outbox(None, ["s"], max_records=150, observer=OutboxMetrics(metrics, metrics.outbox_refused),
                     overflow="refuse")
-    committer = FleetCommitter(outbox, metrics)
+    # The refusal reloads the tracker, which restarts the term's count of complete snapshots at the clock's time
+    # (0.5): the next snapshot, started at 1.0, counts.
+    committer = FleetCommitter(outbox, metrics, clock=lambda: 0.5)
     events = [parse_resource_graph_row(row(SUBS[n % 3], n)) for n in range(250)]
     try:
         with pytest.raises(OutboxFull):

@@ -3,7 +3,8 @@
 The count rests on one invariant: records are numbered one after another and deleted only from the low end
 (acknowledged by every sink, or dropped as the oldest when full), and a move to another store (the fail-over to
 memory and back) keeps the numbers without a gap. A state machine appends (each overflow mode), acknowledges,
-carries the outbox between stores in any order, and after every step checks the
+carries the outbox between stores in any order (also the fail-over whose carry failed, after which memory's records
+are added after the disk's), and after every step checks the
 count against COUNT(*) and every sink's records against a plain model of what it still has to receive.
 """
 
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
@@ -54,9 +55,14 @@ class OutboxCount(RuleBasedStateMachine):
         self.next = 0
         #: What each sink has still to receive, oldest first (record numbers): the model.
         self.pending: dict[str, list[int]] = {sink: [] for sink in SINKS}
+        #: The disk store set aside by a fail-over that could not read it, and what each sink lacked on it.
+        self.disk: Store | None = None
+        self.disk_pending: dict[str, list[int]] = {}
 
     def teardown(self) -> None:
         self.store.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def _held(self) -> list[int]:
         """The records the outbox holds: those some sink still needs (each list is a tail of the longest)."""
@@ -101,6 +107,28 @@ class OutboxCount(RuleBasedStateMachine):
         target.adopt(*self.store.dump(), None, self.store.states())
         self.store.close()
         self.store = target
+
+    @precondition(lambda self: self.disk is None)
+    @rule()
+    def fail_over_unread(self) -> None:
+        """The fail-over whose carry failed (the disk could not even be read): an empty store in memory takes the
+        appends and acknowledgements, and the disk keeps its records and cursors as they were."""
+        self.disk, self.disk_pending = self.store, self.pending
+        self.store = Store(None, SINKS, max_records=BOUND)
+        self.pending = {sink: [] for sink in SINKS}
+
+    @precondition(lambda self: self.disk is not None)
+    @rule()
+    def recover_unread(self) -> None:
+        """The disk works again: memory's records go after the disk's (Store.merge); each sink gets what it lacked
+        on disk, then everything memory still held (what one sink took from memory is sent again: at least once)."""
+        assert self.disk is not None
+        held = self._held()
+        rows, _ = self.store.dump()
+        self.disk.merge(rows, None, self.store.states())
+        self.store.close()
+        self.store, self.disk = self.disk, None
+        self.pending = {sink: self.disk_pending[sink] + held for sink in SINKS}
 
     @invariant()
     def count_is_exact(self) -> None:

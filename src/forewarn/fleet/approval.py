@@ -144,6 +144,7 @@ class FleetApprover:
         self._waiting_said = False             # said that nothing is done to nodes before a complete snapshot
         self._reconciled_at = -1               # the term's complete snapshots at the last read of the ledgers
         self._held_said: set[tuple[str, str, str]] = set()   # (node, ledger key, reason) already recorded
+        self._held_said_state = False   # the hold of every action (FleetView.held) was logged
         self._ended: list[FleetChange] = []    # events that ended, from the committer: undone on their nodes
         self._inherited: set[bytes] = set()    # events the previous Lease holder approved
 
@@ -234,6 +235,17 @@ class FleetApprover:
         if not self.active():
             return
         view = self.view()
+        if view.held is not None:
+            # The open events are not known (FleetCommitter.reload_failed): an event missing from this view may
+            # be open, so nothing is approved, done or undone until they are.
+            if not self._held_said_state:
+                log.warning("every approval, node action and undo is held: %s", view.held)
+                self._held_said_state = True
+            self._set_held(waiting=1)
+            return
+        if self._held_said_state:
+            log.info("the open events are known again: approvals, node actions and undos go ahead")
+            self._held_said_state = False
         events = {event_key(event): event for event in view.open_events if self.scope.contains(event)}
         index = self._node_index(view)   # Kubernetes requests, outside the lock
         with self._lock:

@@ -38,11 +38,11 @@ from forewarn.fleet.feed import FeedError, FleetEvent, parse_resource_graph_row
 from forewarn.fleet.metrics import FleetMetrics
 from forewarn.fleet.records import change_texts
 from forewarn.fleet.scope import FleetScope, ScopeGate
-from forewarn.fleet.state import PREFIX, changed_state, load
+from forewarn.fleet.state import PREFIX, StateError, changed_state, load
 from forewarn.fleet.tracker import FleetChange, FleetTracker, FleetView, event_key
 from forewarn.logs import StateLog
 from forewarn.outbox.delivery import DeliveryWorker, finish_delivery
-from forewarn.outbox.outbox import Outbox, OutboxFull, StoreError
+from forewarn.outbox.outbox import Outbox, OutboxFull, Overflow, StoreError
 from forewarn.owner import Owner
 from forewarn.poller import DeliveryMetrics, OutboxMetrics
 from forewarn.records import JsonRecords, Record
@@ -105,21 +105,53 @@ class FleetCommitter:
         self.on_ended: Callable[[list[FleetChange]], None] = lambda changes: None
         #: Called after each commit that changed something (the approver looks at once).
         self.on_committed: Callable[[], None] = lambda: None
+        #: Why the tracker could not be read back after a commit failed (None: it was): until it can, the tracker
+        #: in memory holds news that is not committed, so nothing is committed and no action is taken (FleetView).
+        self.reload_failed: str | None = None
         self.tracker = self._restore()
         metrics.events_now(self.tracker.open_events, self.clock())
 
-    def _restore(self, at_start: bool = True) -> FleetTracker:
-        """The tracker as last committed (at start, and after a commit that failed)."""
+    def _restore(self) -> FleetTracker:
+        """The tracker as last committed, at start."""
         try:
             rows = self.outbox.load_states(PREFIX)
         except StoreError as exc:
             log.error("cannot read the saved fleet state (%s); starting without it", exc)
             return FleetTracker()
         tracker = load(rows, now=self.clock())
-        if rows and at_start:
+        if rows:
             log.info("resuming from saved state: %d open event(s), %d ended remembered",
                      len(tracker.open_events), len(tracker.ended_keys))
         return tracker
+
+    def _reload(self) -> bool:
+        """After a commit that failed: back to the tracker as last committed, so the same news, brought again, is a
+        change again. The term's complete snapshots start again with it: the reloaded tracker has lost its counts of
+        missing snapshots, and an event it lacks must not look over (FleetView.over) before two complete snapshots
+        taken from now lack it too. A state that cannot be read (the store fails, or a row is damaged: leaving the
+        row out would make its event look over) keeps the tracker in memory and holds every action; each commit
+        tries again first. Returns whether the reload succeeded."""
+        now = self.clock()
+        self.complete_snapshots = 0
+        self._term_started = now
+        try:
+            tracker = load(self.outbox.load_states(PREFIX), now=now, strict=True)
+        except (StoreError, StateError) as exc:
+            if self.reload_failed is None:
+                log.error("cannot read the saved fleet state back after a failed commit (%s): nothing is committed "
+                          "and no approval, node action or undo is taken until it can be read", exc)
+            self.reload_failed = str(exc) or type(exc).__name__
+            return False
+        if self.reload_failed is not None:
+            log.info("the saved fleet state is read again: commits and actions resume")
+        self.tracker, self.reload_failed = tracker, None
+        return True
+
+    def _check_state(self) -> None:
+        """StoreError while the tracker could not be read back (then nothing is applied to it), after trying again."""
+        if self.reload_failed is not None and not self._reload():
+            raise StoreError(f"the saved fleet state cannot be read ({self.reload_failed}); nothing is committed "
+                             "until it can")
 
     def view(self) -> FleetView:
         """The open events, the term's complete snapshots and the tracker's memory of endings, at one moment
@@ -127,7 +159,7 @@ class FleetCommitter:
         with self._lock:
             tracker = self.tracker
             return FleetView(tuple(tracker.open_events), self.complete_snapshots, self.snapshots_expected,
-                             tracker.has_ended, tracker.was_listed)
+                             tracker.has_ended, tracker.was_listed, held=self.reload_failed)
 
     def known(self, event: FleetEvent) -> FleetEvent:
         """The tracker's own object for an open event equal to `event`, else `event`. A snapshot lists mostly what
@@ -142,6 +174,7 @@ class FleetCommitter:
         with self._lock:
             if not self.active():
                 raise NotActive("this replica does not hold the Lease")
+            self._check_state()
             self._check_room()
             now = self.clock()
             changes: list[FleetChange] = []
@@ -159,6 +192,7 @@ class FleetCommitter:
         with self._lock:
             if not self.active():
                 raise NotActive("this replica does not hold the Lease")
+            self._check_state()
             self._check_room()
             now = self.clock()
             changes = self.tracker.apply_snapshot(events, started_at, now, complete)
@@ -218,7 +252,7 @@ class FleetCommitter:
                 # the same news, delivered again (the queue message was not deleted, the next snapshot lists it),
                 # is a change again and is not lost. The slices before this one stand: their listeners, log
                 # lines and counts are due all the same (an ended event's node actions are undone).
-                self.tracker = self._restore(at_start=False)
+                self._reload()
                 self._committed(changes[:start], self.clock())
                 raise
             if known:
@@ -319,7 +353,8 @@ class ResourceGraphSource:
                 state.ok()
                 self.metrics.source_succeeded("resourcegraph", time.time())
                 self.metrics.reconciled(seconds, quota_remaining, time.monotonic() - committing)
-                wait_for_room(self.committer.outbox, exc, stop, "the rest of this Resource Graph snapshot")
+                wait_for_room(self.committer.outbox, exc, stop, "the rest of this Resource Graph snapshot",
+                              lambda: self.metrics.source_succeeded("resourcegraph", time.time()))
                 continue
             except Exception:
                 log.exception("cannot commit a Resource Graph snapshot; the next one tries again")
@@ -379,7 +414,9 @@ class QueueReader:
             if deliveries and not stop.is_set():
                 self._commit_then_delete(deliveries)
             if self.full is not None:
-                wait_for_room(self.committer.outbox, self.full, stop, f"{len(deliveries)} queue message(s)")
+                # The queue answered: the source is up while it waits (/readyz), as the snapshot's is.
+                wait_for_room(self.committer.outbox, self.full, stop, f"{len(deliveries)} queue message(s)",
+                              lambda: self.metrics.source_succeeded("queue", time.time()))
                 self.full = None
             stats = self.source.stats
             for result, total in (("received", stats.received), ("deleted", stats.deleted),
@@ -393,14 +430,18 @@ class QueueReader:
                 self.metrics.source_failed("queue")
 
 
-def wait_for_room(outbox: Outbox, refused: OutboxFull, stop: threading.Event, what: str) -> None:
+def wait_for_room(outbox: Outbox, refused: OutboxFull, stop: threading.Event, what: str,
+                  alive: Callable[[], None] = lambda: None) -> None:
     """Back-pressure on a source whose commit the full outbox refused: wait, reading nothing new, until the
-    refused commit fits and half the outbox is free (so the next attempt takes more than one slice), or stop."""
+    refused commit fits and half the outbox is free (so the next attempt takes more than one slice), or stop.
+    `alive` is called every second meanwhile: the source is waiting, not failing, and /readyz must say so
+    however long the sinks take (--ready-window)."""
     room = max(0, min(outbox.max_records // 2, outbox.max_records - refused.adding))
     log.warning("outbox full (%d of %d records): %s not committed; waiting for the sinks to take records "
                 "(nothing is dropped)", refused.stored, outbox.max_records, what)
     started = time.monotonic()
     while not stop.is_set():
+        alive()
         if outbox.wait_for_room(room, timeout=1.0):
             log.info("outbox has room again after %.0f s", time.monotonic() - started)
             return
@@ -464,7 +505,7 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
     add_metrics_endpoints(server, metrics.respond, ready)
     state_dir = Path(settings.state_dir) if settings.state_dir else None
     outbox = Outbox(state_dir, [sink.name for sink in sinks], settings.outbox_max_records,
-                    OutboxMetrics(metrics, metrics.outbox_refused), overflow="refuse")
+                    OutboxMetrics(metrics, metrics.outbox_refused), overflow=fleet_overflow(policy))
     workers = [DeliveryWorker(sink, outbox, DeliveryMetrics(metrics), batch_size=DELIVERY_BATCH) for sink in sinks]
     for sink in sinks:
         metrics.add_sink(sink.name)
@@ -560,6 +601,14 @@ def _run_fleet(settings: FleetSettings, simulation: FleetSimulation | None) -> i
         log.info("stopped")
         ignore_stop_signals()
     return 0
+
+
+def fleet_overflow(policy: Policy | None) -> Overflow:
+    """What a full outbox does to the sources' commits. Without a policy, it refuses them (back-pressure: the
+    sources keep their news and bring it again once the sinks have taken records). With one, it takes them over
+    its bound: news held back would freeze what the policy sees, and a new Reboot would be neither approved nor
+    drained before its NotBefore because a sink is down (docs/fleet.md, "A full outbox")."""
+    return "exceed" if policy is not None else "refuse"
 
 
 def load_fleet_policy(settings: FleetSettings) -> Policy | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
@@ -104,6 +104,9 @@ class FleetView:
     ended: Callable[[str], bool] = lambda event_id: False
     #: Whether Resource Graph has listed the open event of this key (event_key).
     listed: Callable[[tuple[str, str]], bool] = lambda key: True
+    #: Why every action is held (the saved state could not be read back after a failed commit, so the open
+    #: events are not known), or None: then no event is over and nothing is done to nodes.
+    held: str | None = None
     #: The open events' EventIds in lower case (what a node's ledger names).
     open_ids: frozenset[str] = field(init=False)
 
@@ -112,13 +115,13 @@ class FleetView:
 
     @property
     def ready_for_nodes(self) -> bool:
-        return not self.snapshots_expected or self.complete_snapshots > 0
+        return self.held is None and (not self.snapshots_expected or self.complete_snapshots > 0)
 
     def over(self, event_id: str, listed: bool = True) -> bool:
         """Whether `event_id` is known to be over: the tracker ended it (a final status, or missing from two
         complete snapshots in a row), or it is not open and two complete snapshots of this term lacked it,
         where Resource Graph had `listed` it before (else its absence may be Resource Graph's lag)."""
-        if event_id.lower() in self.open_ids:
+        if self.held is not None or event_id.lower() in self.open_ids:
             return False
         return self.ended(event_id) or (listed and self.complete_snapshots >= MISSING_SNAPSHOTS)
 
@@ -135,13 +138,19 @@ class FleetTracker:
     """The open events of the fleet, and the changes each new piece of news brings."""
 
     def __init__(self, open_events: Iterable[FleetEvent] = (), ended: Iterable[tuple[str, str]] = (),
-                 now: float = 0.0) -> None:
+                 now: float = 0.0, listed: Container[tuple[str, str]] = ()) -> None:
+        """`listed`: the keys of open events a Resource Graph snapshot listed (as saved); an event that came from
+        Resource Graph itself was listed in any case."""
         self._open: dict[tuple[str, str], _Open] = {
-            event_key(e): _Open(e, now, listed=e.origin == "resourcegraph") for e in open_events}
+            event_key(e): _Open(e, now, listed=e.origin == "resourcegraph" or event_key(e) in listed)
+            for e in open_events}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict((key, None) for key in ended)
         self._ended_ids: Counter[str] = Counter(event_id for _, event_id in self._ended)   # by EventId
         self._deliveries: OrderedDict[str, None] = OrderedDict()
         self._forgotten: list[tuple[str, str]] = []  # ended events pushed out of memory since the last take
+        #: Open events a snapshot listed for the first time without changing them, since the last take: their
+        #: saved rows must say so, or a reload would forget it and never end them by their absence.
+        self._newly_listed: list[tuple[str, str]] = []
         self.duplicates = 0      # deliveries dropped by id
         self.stale = 0           # news that would have moved an event backwards, or came after its end
 
@@ -202,9 +211,13 @@ class FleetTracker:
         for event in events:
             key = event_key(event)
             listed.add(key)
-            changes += self.apply(event, now)
-            if key in self._open:   # even a partial snapshot shows that Resource Graph lists it
-                self._open[key].listed = True
+            found = self.apply(event, now)
+            changes += found
+            state = self._open.get(key)
+            if state is not None and not state.listed:   # even a partial snapshot shows that Resource Graph lists it
+                state.listed = True
+                if not found:   # else the change's own row says so, in the change's transaction
+                    self._newly_listed.append(key)
         if not complete:
             return changes
         for key, state in list(self._open.items()):
@@ -231,6 +244,11 @@ class FleetTracker:
         """Whether the open event `key` (event_key) was listed by a Resource Graph snapshot."""
         state = self._open.get(key)
         return state is not None and state.listed
+
+    def take_newly_listed(self) -> list[tuple[str, str]]:
+        """The open events a snapshot listed for the first time since the last call (to save that they were)."""
+        listed, self._newly_listed = self._newly_listed, []
+        return [key for key in listed if key in self._open]
 
     def has_ended(self, event_id: str) -> bool:
         """Whether an event with this EventId (any target) is remembered as ended."""

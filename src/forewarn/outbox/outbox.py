@@ -92,6 +92,9 @@ class Outbox:
         self._state_log = StateLog(log, "state dir")
         self._retrier: threading.Thread | None = None
         self._writable = True
+        #: The store in memory began empty: the disk's could not be read when it took over, so the disk still holds
+        #: records it lacks, and on recovery its own are added after them (Store.merge) rather than put in their place.
+        self._apart = False
         self._store = self._open()
         if not self._writable:
             self._start_retrying()
@@ -168,9 +171,16 @@ class Outbox:
 
     def refuse_if_full(self) -> None:
         """Raise OutboxFull (and count it as a refused commit) when this outbox refuses and is full: for a caller
-        that would rather not prepare records that an append would refuse anyway."""
-        stored = self._stored
-        if self.overflow == "refuse" and stored >= self.max_records:
+        that would rather not prepare records that an append would refuse anyway. It reads the store itself (two
+        index lookups), as `wait_for_room` does: an append and an ack on two threads may leave the count they set
+        too high, and a refusal on it would wait for room that is there already."""
+        if self.overflow != "refuse":
+            return
+        try:
+            stored = self._store.stored()
+        except StoreError:
+            return   # closed, or moving between stores: the append itself decides
+        if stored >= self.max_records:
             self._observer.commit_refused()
             raise OutboxFull(stored, 1, self.max_records)
 
@@ -257,9 +267,12 @@ class Outbox:
         memory = Store(None, self._sinks, self.max_records)
         try:
             _carry(old, memory)
+            if old.path is not None:
+                self._apart = False
         except StoreError as exc:
             log.error("could not carry the outbox over to memory (%s); records waiting on disk are delivered "
                       "once it recovers", exc)
+            self._apart = self.state_dir is not None
         self._store = memory
         self._set_stored(memory.stored())
         # Closing every connection releases any lock a failed write left behind, so the disk store can be
@@ -278,13 +291,18 @@ class Outbox:
         disk = None
         try:
             disk = self._open_disk(self.state_dir)
-            _carry(memory, disk)
+            if self._apart:
+                rows, _ = memory.dump()
+                disk.merge(rows, memory.load_document(), memory.states())
+            else:
+                _carry(memory, disk)
         except (OSError, StoreError) as exc:
             log.debug("state dir still unusable: %s", exc)
             if disk is not None:
                 disk.close()
             return False
         self._store = disk
+        self._apart = False
         memory.close()
         self._set_stored(disk.stored())
         self._writable = True

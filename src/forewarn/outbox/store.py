@@ -355,6 +355,20 @@ class Store:
             self._save_document(conn, document)
             self._save_states(conn, state)
 
+    def merge(self, rows: Sequence[tuple[int, str, float]], document: Document | None,
+              state: Mapping[str, str | None] | None = None) -> None:
+        """Add another store's records (see `dump`) after this one's, and its document and saved states over this
+        one's, in one transaction. For a store that took over when this one could not even be read (Outbox): it
+        began empty, so this one's records still wait and must not be replaced. Its records are numbered on from
+        this store's last, in their order, so the numbers stay without a gap (`_stored`) and no cursor skips them;
+        each sink's cursor stays where it stood here (a record a sink took from the other store is sent again,
+        under the same id: at least once)."""
+        with self._transaction() as conn:
+            conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
+                             [(body, created) for _, body, created in rows])
+            self._save_document(conn, document)
+            self._save_states(conn, state)
+
     def close(self) -> None:
         """Close every connection of every thread, once what they are running has ended; from then on
         every use raises StoreError. A statement still running after CLOSE_WAIT_SECONDS (a disk that hangs)
