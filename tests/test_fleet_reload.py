@@ -163,6 +163,16 @@ def test_that_resource_graph_listed_an_event_survives_a_restart_so_its_absence_s
         outbox.close()
 
 
+def test_a_snapshot_that_lists_a_pushed_event_unchanged_saves_that_it_did() -> None:
+    fleet = Fleet(bound=150)
+    try:
+        fleet.committer.news([pushed(0)])
+        fleet.snapshot([listed(0)])
+        assert load(fleet.outbox.load_states(PREFIX), now=0).was_listed(event_key(pushed(0)))
+    finally:
+        fleet.outbox.close()
+
+
 def test_with_a_policy_a_full_outbox_takes_news_over_its_bound_and_a_new_event_is_approved() -> None:
     """A sink that takes nothing and an outbox of 5 records, full. Without a policy, the news of a new Reboot is
     refused (back-pressure); with one, it goes in over the bound (shown by the outbox's count), the tracker has

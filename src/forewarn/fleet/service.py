@@ -235,6 +235,12 @@ class FleetCommitter:
 
     def _commit(self, changes: Sequence[FleetChange], now: float) -> None:
         if not changes:
+            if self.tracker.listing_unsaved:   # a snapshot listed an event it changed nothing of: saved all the same
+                try:
+                    self.outbox.append([], state=changed_state((), self.tracker))
+                except Exception:
+                    self._reload()
+                    raise
             return
         observed_at = datetime.fromtimestamp(now, tz=timezone.utc)
         # A large snapshot goes in slices, each with its own records and rows: the memory of one slice at a

@@ -245,6 +245,11 @@ class FleetTracker:
         state = self._open.get(key)
         return state is not None and state.listed
 
+    @property
+    def listing_unsaved(self) -> bool:
+        """Whether a snapshot listed an open event for the first time without changing it, since the last take."""
+        return bool(self._newly_listed)
+
     def take_newly_listed(self) -> list[tuple[str, str]]:
         """The open events a snapshot listed for the first time since the last call (to save that they were)."""
         listed, self._newly_listed = self._newly_listed, []
