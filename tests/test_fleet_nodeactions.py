@@ -92,6 +92,7 @@ class Replica:
         self.events = events
         self.snapshots = snapshots             # complete snapshots committed in this term
         self.ended_ids: set[str] = set()       # the tracker's memory of ended events
+        self.held: str | None = None           # why every action is held (FleetCommitter.reload_failed)
         nodes = FleetNodes(lambda stop: make_client(kubeconfig, stop=stop), self.records.extend, self.metrics,
                            refresh=0.5, poll=0.05)
         self.approver = FleetApprover(parse_policy(policy, fleet=True), Acknowledger(arm.base, FixedToken()),
@@ -102,7 +103,8 @@ class Replica:
         self.thread.start()
 
     def view(self) -> FleetView:
-        return FleetView(tuple(self.events), self.snapshots, True, lambda event_id: event_id.lower() in self.ended_ids)
+        return FleetView(tuple(self.events), self.snapshots, True, lambda event_id: event_id.lower() in self.ended_ids,
+                         held=self.held)
 
     def finish(self, event: FleetEvent) -> None:
         """The event ended (as the committer reports it: out of the open events, into the ended memory)."""
@@ -183,6 +185,34 @@ def test_a_replica_that_takes_over_undoes_what_its_predecessor_left_only_once_it
         assert len(arm.received.acks) == 2
     finally:
         second.end()
+
+
+def test_while_the_open_events_are_not_known_nothing_is_undone_and_the_hold_is_recorded(
+        api: KubeApi, arm: ArmPeer, tmp_path: Path) -> None:
+    """The saved state could not be read back after a failed commit: the tracker in memory lacks the event whose
+    node this replica cordoned, with two complete snapshots in the term. Nothing is undone, the hold is recorded
+    (`undo`, `held`) and shown; once the state reads again the undo waits for two complete snapshots as always."""
+    event = scale_set_event(5, ("aks-pool-vmss_0",))
+    arm.rows = [{"id": f"{POOL}/providers/Microsoft.Maintenance/scheduledevents/{event.event.event_id}",
+                 "name": event.event.event_id, "subscriptionId": SUB}]
+    replica = Replica(api, arm, tmp_path, "a", [event], snapshots=2)
+    node = "aks-pool-vmss000000"
+    try:
+        wait_until(lambda: len(arm.received.acks) == 1, timeout=30, message="the approval")
+        assert api.node(node)["spec"].get("unschedulable") is True
+        replica.held = "the saved fleet state cannot be read"
+        replica.events[:] = []
+        wait_until(lambda: (node, "undo", "held") in replica.kinds(), timeout=20, message="the hold, recorded")
+        time.sleep(1.0)                                          # two refreshes of the nodes
+        assert api.node(node)["spec"].get("unschedulable") is True, "undone while the open events were not known"
+        assert replica.metrics.undo_held.waiting.value == 1
+        replica.held, replica.snapshots = None, 0               # read again: the term's snapshots start again
+        time.sleep(1.0)
+        assert api.node(node)["spec"].get("unschedulable") is True
+        replica.snapshots = 2
+        wait_until(lambda: not api.node(node)["spec"].get("unschedulable"), timeout=20, message="the undo")
+    finally:
+        replica.end()
 
 
 def test_entries_of_another_owner_are_never_undone_and_shared_cordons_stay(

@@ -241,6 +241,7 @@ class FleetApprover:
             if not self._held_said_state:
                 log.warning("every approval, node action and undo is held: %s", view.held)
                 self._held_said_state = True
+                self._say_held_nodes(view.held)
             self._set_held(waiting=1)
             return
         if self._held_said_state:
@@ -517,6 +518,19 @@ class FleetApprover:
                             ref.event_id)
                 self.nodes.undo(left_over(ref.event_id), {node: ""}, self.dry_run, None, legacy=ref.legacy)
         self._set_held(held)
+
+    def _say_held_nodes(self, why: str) -> None:
+        """A `held` record for each node this replica acted on for an event it tracks, once per hold of everything."""
+        if self.nodes is None:
+            return
+        with self._lock:
+            acted = [(track.event.event.event_id, node) for track in self._tracks.values() for node in track.nodes]
+        for event_id, node in acted:
+            try:
+                self.nodes.held(event_id, node, f"undo held back (state_unreadable): node {node}, event {event_id}: "
+                                f"{why}")
+            except Exception:   # the outbox may be what fails: the log line above says it all the same
+                log.exception("cannot record the hold of node %s", node)
 
     def _hold(self, node: str, key: str, event_id: str, reason: str, held: Tally[str], why: str) -> None:
         held[reason] += 1
