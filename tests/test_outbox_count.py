@@ -13,6 +13,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from forewarn.imds.document import parse_document
 from forewarn.imds.instance import VmInfo
 from forewarn.outbox.outbox import Outbox, OutboxFull, OutboxObserver
-from forewarn.outbox.store import ENDS_SQL, Overflow, Store
+from forewarn.outbox.store import DB_FILE, ENDS_SQL, Overflow, Store
 from forewarn.records import Record, to_record
 from forewarn.tracker import diff_documents
 
@@ -205,5 +206,28 @@ def test_an_empty_outbox_takes_a_commit_larger_than_its_bound_whole() -> None:
             outbox.append(numbered(9, 1))
         assert outbox.append([], state={"fleet:y": "kept"}) == 0  # state alone always fits
         assert outbox.load_state("fleet:y") == "kept"
+    finally:
+        outbox.close()
+
+
+def test_records_on_a_disk_that_could_not_be_read_at_the_fail_over_are_kept_when_it_recovers(tmp_path: Path) -> None:
+    """The disk's database reads as malformed: the append moves to memory and cannot carry the disk's records
+    over. Once the file reads again, its records stay and memory's are numbered after them, without a gap."""
+    outbox = Outbox(tmp_path, ["s"], retry_seconds=3600)
+    try:
+        outbox.append(numbered(0, 5))
+        db = tmp_path / DB_FILE
+        with sqlite3.connect(db) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")   # every record in the main file
+        good = db.read_bytes()
+        db.write_bytes(good[:100] + b"\xff" * (len(good) - 100))   # the header kept, every page damaged
+        outbox.append(numbered(5, 2))
+        assert not outbox.writable and outbox.stored == 2
+        db.write_bytes(good)
+        assert outbox.recover() and outbox.writable
+        assert [r.subject for r in outbox.take("s", 100).records] == [r.subject for r in numbered(0, 7)]
+        assert outbox.stored == 7
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT COUNT(*), MIN(seq), MAX(seq) FROM records").fetchone() == (7, 1, 7)
     finally:
         outbox.close()
