@@ -94,3 +94,16 @@ def test_a_damaged_row_is_left_out_with_a_clear_error_and_the_rest_is_kept(
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "saved fleet state: row 'fleet:open:bad\\nrow' left out" in messages, messages
     assert "fleet:ended:no-event-id" in messages and says in messages, messages
+
+
+def test_an_open_row_left_beside_the_ended_one_is_not_an_open_event(tmp_path: Path) -> None:
+    """The outbox could not read its disk at a fail-over: the removal of an ended event's open row, made in memory,
+    is not carried back, only the row that remembers the ending. The ending wins."""
+    outbox = Outbox(tmp_path, ["stdout"])
+    tracker = FleetTracker()
+    commit(outbox, tracker, news("Scheduled", "E1"), news("Scheduled", "E2"))
+    ended = changed_state(tracker.apply(news("Completed", "E1"), now=2), tracker)
+    outbox.append([], state={key: value for key, value in ended.items() if value is not None})   # the deletion lost
+    restarted = load(outbox.load_states(PREFIX), now=3)
+    assert [event.event_id for event in restarted.open_events] == ["E2"] and restarted.has_ended("E1")
+    outbox.close()

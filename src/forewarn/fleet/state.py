@@ -110,7 +110,10 @@ def load(rows: Mapping[str, str], now: float, strict: bool = False) -> FleetTrac
             if strict:
                 raise StateError(f"saved fleet state: row {store_key[:200]!r}: {exc}") from None
             log.error("saved fleet state: row %r left out: %s", store_key[:200], exc)
-    return FleetTracker(opened, ended, now=now, listed=listed)
+    # An ending is final: an open row beside the ended one (its deletion made in memory while the disk could not
+    # be read, Outbox) is left behind, not an open event.
+    over = set(ended)
+    return FleetTracker([event for event in opened if event_key(event) not in over], ended, now=now, listed=listed)
 
 
 def restored(text: str) -> FleetEvent:
