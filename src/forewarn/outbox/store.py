@@ -362,7 +362,8 @@ class Store:
         began empty, so this one's records still wait and must not be replaced. Its records are numbered on from
         this store's last, in their order, so the numbers stay without a gap (`_stored`) and no cursor skips them;
         each sink's cursor stays where it stood here (a record a sink took from the other store is sent again,
-        under the same id: at least once)."""
+        under the same id: at least once). A state row the other store deleted is not known here and stays (fleet
+        mode reads an event's ended row over its open one: forewarn.fleet.state.load)."""
         with self._transaction() as conn:
             conn.executemany("INSERT INTO records (body, created) VALUES (?, ?)",
                              [(body, created) for _, body, created in rows])
