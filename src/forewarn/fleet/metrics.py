@@ -83,7 +83,8 @@ class UndoHeld:
             self.entries.labels(reason)
         self.waiting = Gauge("azure_scheduled_events_fleet_nodes_waiting_for_snapshot",
                              "1 while the active replica does nothing to nodes (no node action, no undo) because its "
-                             "term has no complete Resource Graph snapshot yet.", registry=registry)
+                             "term has no complete Resource Graph snapshot yet, or because its saved state could "
+                             "not be read back.", registry=registry)
 
     def set(self, held: Mapping[str, int], waiting: int) -> None:
         self.waiting.set(waiting)
