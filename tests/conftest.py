@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -66,6 +68,16 @@ def require_tool(name: str, installed_by: str) -> str:
 
 def require_promtool() -> str:
     return require_tool("promtool", "Debian package prometheus")
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of scripts/ (not a package) as a module, for the tests of what it generates or checks."""
+    path = Path(__file__).parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ forewarn-queries.kql's, on the columns of the table forewarn-logs.json declares.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -13,14 +12,13 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
-from conftest import require_promtool
+from conftest import load_script, require_promtool
 
 ROOT = Path(__file__).parent.parent
 SPECS = Path(__file__).parent / "azure-rest-api-specs"
@@ -28,15 +26,7 @@ AZURE_MONITOR = ROOT / "deploy" / "azure-monitor"
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("azure_monitor", ROOT / "scripts" / "azure_monitor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _script()
+gen = load_script("azure_monitor")
 
 SUBSCRIPTION = "/subscriptions/00000000-0000-0000-0000-000000000000"
 WORKSPACE = ("/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/monitoring/providers/"

@@ -11,7 +11,6 @@ import os
 import pkgutil
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from packaging.utils import canonicalize_name
@@ -19,19 +18,13 @@ from packaging.version import Version
 
 import forewarn
 
+from conftest import load_script
+
 ROOT = Path(__file__).parent.parent
 IN_FLOOR_VENV = os.environ.get("TESTS_IN_FLOOR_VENV") == "1"
 
 
-def _floors_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("floors", ROOT / "scripts" / "floors.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-floors = _floors_script()
+floors = load_script("floors")
 
 MODULES = sorted(name for _, name, _ in pkgutil.walk_packages(forewarn.__path__, "forewarn.")
                  if name != "forewarn.__main__")  # running it is the CLI

@@ -7,8 +7,11 @@ import ssl
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import fleet_samples as samples
 from forewarn.fleet.feed import parse_resource_graph_row
@@ -28,34 +31,42 @@ READ = "azure_scheduled_events_reconcile_duration_seconds"
 COMMIT = "azure_scheduled_events_reconcile_commit_duration_seconds"
 
 
-def test_the_commit_of_a_snapshot_is_timed_beside_its_read(tmp_path: Path) -> None:
-    # 8 rows, 2,000 records: a read of one page and a commit of 20 transactions, so the two differ
+@contextmanager
+def _reading(rows: list[dict[str, Any]], committer: FleetCommitter, metrics: FleetMetrics) -> Iterator[ArmPeer]:
+    """A Resource Graph source reading `rows` from the ARM stand-in over TLS into `committer`, in a thread, until
+    the block ends; then the source stops and the committer's outbox closes."""
     authority = Authority("reconcile-test-ca")
-    rows = [samples.resource_graph_row(
-        samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"ss{n}_{k}" for k in range(250)]),
-        samples.target_id("vmss", f"ss{n}")) for n in range(8)]
     arm = ArmPeer(authority, token=TOKEN, rows=rows)
     stop = threading.Event()
     client = ResourceGraphClient(arm.base, FixedToken(), timeout=5.0, stop=stop,
                                  context=ssl.create_default_context(cadata=authority.pem.decode()))
-    metrics = FleetMetrics(["resourcegraph"])
-    outbox = Outbox(tmp_path / "state", ["file"])
-    source = ResourceGraphSource(client, [samples.SUB], [], 3600.0, FleetCommitter(outbox, metrics), metrics)
+    source = ResourceGraphSource(client, [samples.SUB], [], 3600.0, committer, metrics)
     thread = threading.Thread(target=source.run, args=(stop,), daemon=True)
     try:
         thread.start()
+        yield arm
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+        committer.outbox.close()
+        arm.stop()
+
+
+def test_the_commit_of_a_snapshot_is_timed_beside_its_read(tmp_path: Path) -> None:
+    # 8 rows, 2,000 records: a read of one page and a commit of 20 transactions, so the two differ
+    rows = [samples.resource_graph_row(
+        samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"ss{n}_{k}" for k in range(250)]),
+        samples.target_id("vmss", f"ss{n}")) for n in range(8)]
+    metrics = FleetMetrics(["resourcegraph"])
+    outbox = Outbox(tmp_path / "state", ["file"])
+    with _reading(rows, FleetCommitter(outbox, metrics), metrics) as arm:
         deadline = time.monotonic() + 60
         while metrics.view.commit_seconds is None and time.monotonic() < deadline:
             time.sleep(0.002)  # the view, not a render: rendering 2,000 VMs' series takes longer than the commit
         seen = time.monotonic()
         with arm.received.lock:
             last_page = arm.received.times[-1]
-    finally:
-        stop.set()
-        thread.join(10)
-        client.close()
-        outbox.close()
-        arm.stop()
     found = {name: value for (name, _), value in parse_metrics(metrics.render()[0].decode()).items()
              if name in (READ, COMMIT)}
     assert found == {READ: metrics.view.reconcile_seconds, COMMIT: metrics.view.commit_seconds}
@@ -86,31 +97,17 @@ def test_a_later_snapshot_holds_the_trackers_own_objects_for_what_did_not_change
 
 def test_a_snapshot_the_full_outbox_cuts_short_is_timed_too(tmp_path: Path) -> None:
     # 250 events on single VMs against a bound of 150 records: the first slice of 100 goes in, the second is refused
-    authority = Authority("reconcile-full-test-ca")
     rows = [samples.resource_graph_row(samples.properties(event_id=str(uuid.UUID(int=n + 1)), resources=[f"vm-{n}"]),
                                        samples.target_id("vm", f"vm-{n}")) for n in range(250)]
-    arm = ArmPeer(authority, token=TOKEN, rows=rows)
-    stop = threading.Event()
-    client = ResourceGraphClient(arm.base, FixedToken(), timeout=5.0, stop=stop,
-                                 context=ssl.create_default_context(cadata=authority.pem.decode()))
     metrics = FleetMetrics(["resourcegraph"])
     outbox = Outbox(tmp_path / "state", ["file"], max_records=150, overflow="refuse",
                     observer=OutboxMetrics(metrics, metrics.outbox_refused))
     committer = FleetCommitter(outbox, metrics)
-    source = ResourceGraphSource(client, [samples.SUB], [], 3600.0, committer, metrics)
-    thread = threading.Thread(target=source.run, args=(stop,), daemon=True)
-    try:
-        thread.start()
+    with _reading(rows, committer, metrics):
         deadline = time.monotonic() + 20
         while metrics.view.commit_seconds is None and time.monotonic() < deadline:
             time.sleep(0.01)
         text = metrics.render()[0].decode()
-    finally:
-        stop.set()
-        thread.join(10)
-        client.close()
-        outbox.close()
-        arm.stop()
     found = parse_metrics(text)
     assert found[("azure_scheduled_events_outbox_refused_commits_total", ())] == 1
     assert len(committer.view().open_events) == 100 and outbox.stored == 100   # cut short after one slice

@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 #: Changes committed in one transaction at most (a first snapshot of a large fleet is thousands). Each slice's
 #: records and their JSON are built at once, and CPython keeps the memory they took after they are freed:
 #: 100 changes on scale sets of 5 VMs are 500 records, and the first snapshot of 2,000 such events grows the
-#: service by 4 MiB instead of 13 MiB with slices of 500 (bench/fleet.py, docs/performance.md).
+#: service by 4 MiB instead of 13 MiB with slices of 500 (bench/fleet.py; the runs are in the git history of
+#: docs/performance.md).
 COMMIT_SLICE = 100
 #: Records per delivery batch: one read of the outbox, one send and one acknowledgement each. While a snapshot
 #: commits, each acknowledgement waits for a slice's transaction to end, so delivery takes one batch per slice:
