@@ -44,14 +44,6 @@ def _vm_common(event: FleetEvent) -> dict[str, str]:
                                           ("location", event.location or "")) if value}
 
 
-def fleet_vms(event: FleetEvent) -> Iterator[tuple[str, dict[str, str]]]:
-    """Each VM the event acts on: its ARM ID and `data.vm` (what `fleet_vm(...).known()` gives), from the event's
-    parse kept in `event.vms`, no ARM ID parsed again."""
-    common = _vm_common(event)
-    for name, vm_resource_id in zip(event.vms.names, vm_ids(event), strict=True):
-        yield vm_resource_id, {"name": name, "resource_id": vm_resource_id, **common}
-
-
 #: json.dumps(value, separators=(",", ":")) without making an encoder for each call.
 _json = json.JSONEncoder(separators=(",", ":")).encode
 #: What _json gives for a string (JSONEncoder.encode's own first step), without its checks: twice per record.

@@ -116,11 +116,6 @@ def load(rows: Mapping[str, str], now: float, strict: bool = False) -> FleetTrac
     return FleetTracker([event for event in opened if event_key(event) not in over], ended, now=now, listed=listed)
 
 
-def restored(text: str) -> FleetEvent:
-    """One saved open event, through the feeds' boundary; raises StateError."""
-    return restored_row(text)[0]
-
-
 def restored_row(text: str) -> tuple[FleetEvent, bool]:
     """One saved open event, and whether Resource Graph had listed it; raises StateError."""
     try:
