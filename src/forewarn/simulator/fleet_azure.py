@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
+from forewarn.deadline import Deadline
+from forewarn.httpconn import DeadlineConnection
 from forewarn.simulator.fleet_timeline import FleetEventSpec, FleetTimeline, Milestone
 from forewarn.web.server import HttpServer, Request, Response
 
@@ -242,7 +244,8 @@ class EventGridPusher:
             self._thread.join(PUSH_TIMEOUT + 1)
 
     def _post(self, value: Any) -> tuple[int, bytes]:
-        """One request; (0, b"") when there was no answer."""
+        """One request, done within PUSH_TIMEOUT in all; (0, b"") when there was no answer."""
+        context = None
         if self.https:
             import ssl
 
@@ -251,10 +254,8 @@ class EventGridPusher:
             context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(self.host, self.port,
-                                                                            timeout=PUSH_TIMEOUT, context=context)
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=PUSH_TIMEOUT)
+        conn = DeadlineConnection(self.host, self.port, context=context, connect_timeout=PUSH_TIMEOUT,
+                                  deadline=Deadline(PUSH_TIMEOUT))
         try:
             conn.request("POST", self.target, body=json.dumps(value).encode(),
                          headers={"Content-Type": "application/json", "aeg-event-type": "Notification"})
